@@ -1,0 +1,55 @@
+"""tfdist: distributed training of Keras 3 models on TensorFlow that works.
+
+    import tfdist
+    strategy = tfdist.make_strategy("mirrored")
+    with strategy.scope():
+        model = ...; model.compile(...)
+    model.fit(dataset, epochs=3)
+
+Names are loaded on first use: `import tfdist` and the config/flags modules
+do not import TensorFlow, so the CLI and the planner start fast and
+`configure_logical_devices` can still run before the runtime starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    # presets
+    "make_strategy": "tfdist.strategies",
+    "make_options": "tfdist.strategies",
+    "available_presets": "tfdist.strategies",
+    "get_preset": "tfdist.strategies",
+    "register_preset": "tfdist.strategies",
+    "describe": "tfdist.strategies",
+    "Preset": "tfdist.strategies",
+    # configuration
+    "DefaultOptions": "tfdist.config",
+    "OneDeviceOptions": "tfdist.config",
+    "MirroredOptions": "tfdist.config",
+    "per_replica_batch_size": "tfdist.config",
+    # devices
+    "configure_logical_devices": "tfdist.devices",
+    "configure_threads": "tfdist.devices",
+    "logical_device_names": "tfdist.devices",
+    "RuntimeAlreadyInitializedError": "tfdist.devices",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,45 @@
+"""The `tfdist` command: `tfdist <command> [flags] [-- args]`.
+
+Each command lives in its own module under tfdist/commands/ with absl flags
+and a `main(argv) -> int`; only the chosen command's module is imported, so
+commands never clash over flag names and start without TensorFlow unless
+they need it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "presets": ("tfdist.commands.presets", "List the strategy presets, their options and needs."),
+}
+
+
+def _usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = ["usage: tfdist <command> [flags]  (tfdist <command> --help for its flags)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    from absl import app
+
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(_usage())
+        sys.exit(0 if len(argv) >= 2 else 2)
+    command = argv[1]
+    if command not in COMMANDS:
+        print(f"tfdist: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
+        sys.exit(2)
+    module = importlib.import_module(COMMANDS[command][0])
+    app.run(module.main, argv=[f"tfdist {command}"] + argv[2:])
+
+
+if __name__ == "__main__":
+    run()

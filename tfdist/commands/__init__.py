@@ -1,0 +1,1 @@
+"""One module per `tfdist` sub-command (see tfdist/cli.py)."""

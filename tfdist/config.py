@@ -1,0 +1,179 @@
+"""Frozen, validated option objects for every tfdist preset.
+
+This module imports no TensorFlow: configs can be built, checked and printed
+in a process that never starts a runtime (the CLI, the planner, tests).
+Each preset owns one options dataclass; `make_strategy(name, **options)`
+builds it from keyword arguments, so an unknown option or a bad value fails
+here with a message that names the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, ClassVar, Literal
+
+CrossDeviceOps = Literal[
+    "auto", "ring", "reduction_to_one_device", "hierarchical_copy", "nccl"
+]
+CROSS_DEVICE_OPS: tuple[str, ...] = (
+    "auto",
+    "ring",
+    "reduction_to_one_device",
+    "hierarchical_copy",
+    "nccl",
+)
+
+# "/cpu:0", "/gpu:1", "/device:CPU:0", "/job:worker/replica:0/task:1/device:GPU:0", "CPU:0".
+_DEVICE_RE = re.compile(
+    r"^(/job:[\w-]+(/replica:\d+)?(/task:\d+)?)?(/?device:)?/?(cpu|gpu|tpu):\d+$",
+    re.IGNORECASE,
+)
+
+
+def check_device_name(device: str, *, what: str = "device") -> str:
+    """Returns `device` if it is a well-formed TensorFlow device name.
+
+    Raises:
+      ValueError: naming the received string and the expected form.
+    """
+    if not isinstance(device, str) or not _DEVICE_RE.match(device.strip()):
+        raise ValueError(
+            f"{what} must be a TensorFlow device name such as '/cpu:0' or "
+            f"'/gpu:1' (or '/device:CPU:0'). Received: {what}={device!r}"
+        )
+    return device.strip()
+
+
+def _check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1. Received: {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PresetOptions:
+    """Base class: options shared by every preset (none yet)."""
+
+    preset: ClassVar[str] = ""
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "PresetOptions":
+        """Builds the options, rejecting names this preset does not take."""
+        unknown = sorted(set(kwargs) - set(cls.option_names()))
+        if unknown:
+            valid = ", ".join(cls.option_names()) or "(none)"
+            raise ValueError(
+                f"Unknown option(s) for preset '{cls.preset}': {', '.join(unknown)}. "
+                f"Valid options: {valid}."
+            )
+        return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DefaultOptions(PresetOptions):
+    """No distribution: TensorFlow's default strategy on its default device."""
+
+    preset: ClassVar[str] = "default"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OneDeviceOptions(PresetOptions):
+    """Everything on one named device (`tf.distribute.OneDeviceStrategy`).
+
+    Attributes:
+      device: the device to place variables and compute on; default: the first
+        GPU if there is one, else "/cpu:0".
+    """
+
+    preset: ClassVar[str] = "one_device"
+    device: str | None = dataclasses.field(default=None, metadata={
+        "help": "one_device: the device to use, e.g. /gpu:0 (default: first GPU, else /cpu:0)."})
+
+    def __post_init__(self):
+        if self.device is not None:
+            check_device_name(self.device)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MirroredOptions(PresetOptions):
+    """Synchronous data parallelism on one machine (`MirroredStrategy`).
+
+    Attributes:
+      devices: explicit device names, e.g. ("/cpu:0", "/cpu:1"). Exclusive with
+        `num_devices`.
+      num_devices: use the first N devices (GPUs if any, else logical CPUs).
+      cross_device_ops: how gradients are summed across replicas. "auto" lets
+        TensorFlow choose (NCCL on GPUs, a collective ring on CPUs); "ring"
+        is a collective ring all-reduce; "reduction_to_one_device" sums on one
+        device and broadcasts back (a central reducer); "hierarchical_copy"
+        and "nccl" are GPU algorithms ("nccl" needs GPUs).
+    """
+
+    preset: ClassVar[str] = "mirrored"
+    devices: tuple[str, ...] | None = dataclasses.field(default=None, metadata={
+        "help": "mirrored: comma-separated devices, e.g. /cpu:0,/cpu:1 (exclusive with "
+                "--num_devices)."})
+    num_devices: int | None = dataclasses.field(default=None, metadata={
+        "help": "mirrored: use the first N devices (GPUs if any, else logical CPUs). "
+                "Default: all of them."})
+    cross_device_ops: CrossDeviceOps = dataclasses.field(default="auto", metadata={
+        "help": "mirrored: gradient reduction. auto (TF picks), ring (collective ring "
+                "all-reduce), reduction_to_one_device (central reducer), hierarchical_copy, "
+                "nccl (GPUs only)."})
+
+    def __post_init__(self):
+        if self.devices is not None:
+            if isinstance(self.devices, str):
+                devices = tuple(d for d in self.devices.split(",") if d.strip())
+            else:
+                devices = tuple(self.devices)
+            if not devices:
+                raise ValueError(
+                    "devices must name at least one device, e.g. ('/cpu:0', '/cpu:1'). "
+                    f"Received: devices={self.devices!r}"
+                )
+            devices = tuple(check_device_name(d, what="devices entry") for d in devices)
+            lowered = [d.lower() for d in devices]
+            if len(set(lowered)) != len(lowered):
+                raise ValueError(
+                    f"devices lists a device more than once. Received: devices={devices!r}"
+                )
+            object.__setattr__(self, "devices", devices)
+        _check_positive_int("num_devices", self.num_devices, allow_none=True)
+        if self.devices is not None and self.num_devices is not None:
+            raise ValueError(
+                "Pass either devices or num_devices, not both. Received: "
+                f"devices={self.devices!r}, num_devices={self.num_devices!r}"
+            )
+        if self.cross_device_ops not in CROSS_DEVICE_OPS:
+            raise ValueError(
+                f"cross_device_ops must be one of {', '.join(CROSS_DEVICE_OPS)}. "
+                f"Received: cross_device_ops={self.cross_device_ops!r}"
+            )
+
+
+def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
+    """Splits a global batch over replicas: 512 over 8 replicas is 64 each.
+
+    Raises:
+      ValueError: if the global batch is not a positive multiple of the
+        replica count (each replica must see the same number of examples for
+        the synchronous update to equal the single-device one).
+    """
+    _check_positive_int("global_batch_size", global_batch_size)
+    _check_positive_int("num_replicas", num_replicas)
+    if global_batch_size % num_replicas:
+        lower = global_batch_size - global_batch_size % num_replicas
+        higher = lower + num_replicas
+        raise ValueError(
+            f"global_batch_size must be divisible by the number of replicas "
+            f"({num_replicas}) so every replica gets the same batch. Received: "
+            f"global_batch_size={global_batch_size}. Use {lower or higher} or {higher}."
+        )
+    return global_batch_size // num_replicas

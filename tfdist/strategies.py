@@ -1,0 +1,218 @@
+"""The preset registry: a name, its options type, a lazy factory, what it needs.
+
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    with strategy.scope():
+        model = build_model(); model.compile(...)
+    model.fit(dataset, epochs=3)
+
+Adding a preset is one decorated factory; an unknown name lists the valid
+ones, an unknown option lists the preset's options. No preset is registered
+unless it trains a Keras 3 model end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+from tfdist import config as config_lib
+from tfdist._tf import import_tensorflow
+
+logger = logging.getLogger("tfdist")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One registry row.
+
+    Attributes:
+      name: what users type (`--strategy=name`).
+      options: the frozen dataclass holding this preset's options.
+      factory: builds the strategy from validated options (imports TF lazily).
+      summary: one line for `--help`, the README and error messages.
+      needs: the resources it needs, in words ("2+ devices", "TF_CONFIG ...").
+    """
+
+    name: str
+    options: type[config_lib.PresetOptions]
+    factory: Callable[[Any], Any]
+    summary: str
+    needs: str
+
+
+_REGISTRY: dict[str, Preset] = {}
+
+
+def register_preset(name: str, *, options: type[config_lib.PresetOptions], summary: str,
+                    needs: str):
+    """Decorator registering `factory(options) -> tf.distribute.Strategy` as `name`."""
+
+    def decorator(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"Preset {name!r} is already registered.")
+        if options.preset != name:
+            raise ValueError(f"{options.__name__}.preset is {options.preset!r}, expected {name!r}.")
+        _REGISTRY[name] = Preset(name, options, factory, summary, needs)
+        return factory
+
+    return decorator
+
+
+def available_presets() -> tuple[str, ...]:
+    """Names of the registered presets, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_preset(name: str) -> Preset:
+    """The registry row for `name`.
+
+    Raises:
+      ValueError: unknown name, listing the valid ones.
+    """
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"Unknown preset {name!r}. Valid presets: {', '.join(available_presets())}."
+        ) from None
+
+
+def make_options(preset: str, **options: Any) -> config_lib.PresetOptions:
+    """Validated options for `preset` (no TensorFlow needed)."""
+    return get_preset(preset).options.from_kwargs(**options)
+
+
+def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **options: Any):
+    """Builds a `tf.distribute.Strategy` from a preset name and its options.
+
+    Args:
+      preset: a registered name (see `available_presets()`), or an options
+        object such as `tfdist.MirroredOptions(num_devices=2)`.
+      **options: that preset's options (with a name), e.g. `num_devices=2`.
+
+    Returns:
+      The strategy. Build and compile the Keras model under `strategy.scope()`
+      and call `model.fit` as usual.
+
+    Raises:
+      ValueError: unknown preset or option, a bad option value, or a request
+        this machine cannot meet (a missing device, NCCL without GPUs).
+
+    Example:
+      >>> strategy = tfdist.make_strategy("mirrored", num_devices=2)
+      >>> strategy.num_replicas_in_sync
+      2
+    """
+    if isinstance(preset, config_lib.PresetOptions):
+        if options:
+            raise ValueError(
+                "Pass options either inside the options object or as keywords, not both. "
+                f"Received: {type(preset).__name__} and {sorted(options)}."
+            )
+        opts = preset
+    else:
+        opts = make_options(preset, **options)
+    strategy = get_preset(opts.preset).factory(opts)
+    logger.info("tfdist: preset %s -> %s", opts.preset, describe(strategy))
+    return strategy
+
+
+def describe(strategy, global_batch_size: int | None = None) -> str:
+    """One line: strategy type, replicas, devices and the per-replica batch.
+
+    Raises:
+      ValueError: if `global_batch_size` does not divide over the replicas.
+    """
+    replicas = strategy.num_replicas_in_sync
+    devices = getattr(strategy.extended, "worker_devices", ())
+    text = (f"{type(strategy).__name__}: {replicas} replica(s) on "
+            f"{', '.join(devices) or 'the default device'}")
+    if global_batch_size is not None:
+        per_replica = config_lib.per_replica_batch_size(global_batch_size, replicas)
+        text += f"; global batch {global_batch_size} = {replicas} x {per_replica} per replica"
+    return text
+
+
+# --- presets -----------------------------------------------------------------
+
+
+@register_preset(
+    "default",
+    options=config_lib.DefaultOptions,
+    summary="No distribution: TensorFlow's default strategy (plain model.fit).",
+    needs="nothing",
+)
+def _default(options: config_lib.DefaultOptions):
+    tf = import_tensorflow()
+    return tf.distribute.get_strategy()
+
+
+@register_preset(
+    "one_device",
+    options=config_lib.OneDeviceOptions,
+    summary="Everything on one named device (OneDeviceStrategy).",
+    needs="one device",
+)
+def _one_device(options: config_lib.OneDeviceOptions):
+    tf = import_tensorflow()
+    from tfdist import devices as devices_lib
+
+    if options.device is None:
+        device = devices_lib.resolve_devices(num_devices=1)[0]
+    else:
+        device = devices_lib.resolve_devices([options.device])[0]
+    return tf.distribute.OneDeviceStrategy(device)
+
+
+@register_preset(
+    "mirrored",
+    options=config_lib.MirroredOptions,
+    summary="Synchronous data parallelism over this machine's devices (MirroredStrategy).",
+    needs="1+ local devices (all GPUs, else all logical CPUs)",
+)
+def _mirrored(options: config_lib.MirroredOptions):
+    tf = import_tensorflow()
+    from tfdist import compat
+    from tfdist import devices as devices_lib
+
+    devices = devices_lib.resolve_devices(options.devices, options.num_devices)
+    compat.fresh_collective_key_base()
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=_cross_device_ops(tf, options.cross_device_ops, devices))
+    return strategy
+
+
+def _cross_device_ops(tf, name: str, devices: tuple[str, ...]):
+    if name == "auto":
+        return None  # TF picks: collective ring on CPUs, NCCL on physical GPUs
+    if name == "reduction_to_one_device":
+        return tf.distribute.ReductionToOneDevice()
+    if name == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce(num_packs=1)
+    if name == "nccl":
+        cpus = [d for d in devices if "GPU" not in d.upper()]
+        if cpus:
+            raise ValueError(
+                "cross_device_ops='nccl' needs every device to be a GPU; NCCL has no CPU "
+                f"kernels, so training would fail at its first step. Received devices: "
+                f"{', '.join(devices)}. Use cross_device_ops='ring' or 'auto' on CPUs."
+            )
+        return tf.distribute.NcclAllReduce()
+    if name == "ring":
+        # Collective ring all-reduce, as TF picks by default on CPUs; built
+        # explicitly so it can be forced on GPUs too. Keys follow the base set
+        # by compat.fresh_collective_key_base() for this strategy.
+        from tensorflow.python.distribute import collective_util, cross_device_ops, \
+            cross_device_utils, mirrored_strategy
+
+        keys = cross_device_utils.CollectiveKeys(
+            group_key_start=1 + mirrored_strategy.MirroredStrategy._collective_key_base)
+        return cross_device_ops.CollectiveAllReduce(
+            devices=devices,
+            group_size=len(devices),
+            options=collective_util.Options(
+                implementation=collective_util.CommunicationImplementation.RING),
+            collective_keys=keys,
+        )
+    raise AssertionError(name)  # config validation makes this unreachable
