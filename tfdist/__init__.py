@@ -50,6 +50,10 @@ _EXPORTS = {
     "free_ports": "tfdist.cluster",
     "local_cluster": "tfdist.cluster",
     "hosts_cluster": "tfdist.cluster",
+    "slurm_tf_config": "tfdist.cluster",
+    "kubernetes_tfjob": "tfdist.cluster",
+    "kubernetes_cluster": "tfdist.cluster",
+    "to_yaml": "tfdist.cluster",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
