@@ -418,8 +418,9 @@ class TFConfig:
 
 def _json_error(text: str, err: json.JSONDecodeError) -> TFConfigError:
     line = text.splitlines()[err.lineno - 1] if text.splitlines() else ""
-    start = max(0, err.colno - 1 - 40)
-    snippet = ("..." if start else "") + line[start:start + 80]
+    # Whole line when short; otherwise an 80-character window around the error.
+    start = 0 if len(line) <= 100 else max(0, err.colno - 1 - 40)
+    snippet = ("..." if start else "") + line[start:start + (100 if not start else 80)]
     caret = " " * (err.colno - 1 - start + (3 if start else 0)) + "^"
     hint = ""
     if "'" in text and "property name enclosed in double quotes" in err.msg:
