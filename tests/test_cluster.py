@@ -576,3 +576,18 @@ def test_docstring_examples():
     import doctest
     result = doctest.testmod(C, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_tensorflow_resolver_still_sorts_hosts_as_strings(monkeypatch):
+    """Why slurm_tf_config keeps SLURM's order: TF 2.21 gives rank 0 (on node9) node10.
+
+    If this fails, TensorFlow changed its ordering: revisit the note in
+    slurm_tf_config and docs/cluster.md.
+    """
+    from tensorflow.python.distribute.cluster_resolver import SlurmClusterResolver
+
+    for key, value in _slurm_env(0, "node[9-10]", "1(x2)", 2).items():
+        monkeypatch.setenv(key, value)
+    resolver = SlurmClusterResolver(gpus_per_node=1, gpus_per_task=1, auto_set_gpu=False)
+    assert resolver.cluster_spec().as_dict() == {"worker": ["node10:8888", "node9:8888"]}
+    assert resolver.get_task_info() == ("worker", 0)

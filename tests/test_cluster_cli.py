@@ -34,7 +34,7 @@ GOOD = json.dumps({"cluster": {"chief": ["c:1"], "worker": ["a:1", "b:1"]},
     (GOOD, 0, "stdout", ["TF_CONFIG OK: task worker:1 at b:1; cluster chief=1 worker=2; "
                          "is_chief=False"]),
     (GOOD.replace('"index": 1', '"index": 7'), 1, "stderr",
-     ["invalid TF_CONFIG: Task worker:7 is out of range", "index must be 0..1"]),
+     ["error: Task worker:7 is out of range", "index must be 0..1"]),
     ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}',
      1, "stderr", ["not valid JSON", "line 1 column"]),
     ('{"cluster": {"worker": ["a:1"], "evaluator": ["e:1"]}, '

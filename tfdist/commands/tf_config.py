@@ -85,7 +85,7 @@ def _check() -> int:
             else:
                 config = cluster_lib.tf_config_from_env()
         except cluster_lib.TFConfigError as e:
-            _err(f"invalid TF_CONFIG: {e}")
+            _err(f"error: {e}")
             return 1
     for w in caught:
         _err(f"warning: {w.message}")
