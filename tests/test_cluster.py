@@ -5,6 +5,7 @@ SlurmClusterResolver and multi_worker_util as the independent reference.
 """
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -591,3 +592,24 @@ def test_tensorflow_resolver_still_sorts_hosts_as_strings(monkeypatch):
     resolver = SlurmClusterResolver(gpus_per_node=1, gpus_per_task=1, auto_set_gpu=False)
     assert resolver.cluster_spec().as_dict() == {"worker": ["node10:8888", "node9:8888"]}
     assert resolver.get_task_info() == ("worker", 0)
+
+
+@pytest.mark.parametrize("roles,strategy,fragment", [
+    ({"worker": ("a:1",), "ps": ("p:1",)}, "multi_worker_mirrored",
+     "has no parameter servers, but the cluster lists ps=['p:1']"),
+    ({"worker": ("a:1",), "ps": ("p:1",)}, "parameter_server", "needs a chief (the coordinator"),
+    ({"chief": ("c:1",), "ps": ("p:1",)}, "parameter_server", "needs at least one worker"),
+    ({"chief": ("c:1",), "worker": ("a:1",)}, "parameter_server", "needs at least one ps"),
+    ({"worker": ("a:1",)}, "mirrored", "Unknown strategy 'mirrored'"),
+])
+def test_check_cluster_for_errors(roles, strategy, fragment):
+    with pytest.raises(TFConfigError, match=re.escape(fragment)):
+        C.check_cluster_for(Cluster(**roles), strategy)
+
+
+def test_check_cluster_for_accepts():
+    C.check_cluster_for(Cluster(chief=("c:1",), worker=("a:1",)), "multi_worker_mirrored")
+    C.check_cluster_for(Cluster(worker=("a:1", "b:1")), "multi_worker_mirrored")
+    full = Cluster(chief=("c:1",), worker=("a:1",), ps=("p:1",))
+    C.check_cluster_for(full, "parameter_server")
+    C.check_cluster_for(TFConfig(cluster=full, task_type="ps", task_id=0), "parameter_server")

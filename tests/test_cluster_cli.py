@@ -119,3 +119,13 @@ def test_usage_errors(args, code, fragment):
     assert proc.returncode == code, (proc.stdout, proc.stderr)
     assert fragment in proc.stderr
     assert_clean(proc)
+
+
+def test_check_roles_for_a_strategy():
+    with_ps = json.dumps({"cluster": {"worker": ["a:1"], "ps": ["p:1"]},
+                          "task": {"type": "worker", "index": 0}})
+    proc = run("--check", "--strategy=multi_worker_mirrored", tf_config=with_ps)
+    assert proc.returncode == 1 and "has no parameter servers" in proc.stderr
+    assert_clean(proc)
+    proc = run("--check", "--strategy=multi_worker_mirrored", tf_config=GOOD)
+    assert proc.returncode == 0, proc.stderr

@@ -54,6 +54,7 @@ _EXPORTS = {
     "kubernetes_tfjob": "tfdist.cluster",
     "kubernetes_cluster": "tfdist.cluster",
     "to_yaml": "tfdist.cluster",
+    "check_cluster_for": "tfdist.cluster",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

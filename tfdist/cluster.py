@@ -547,6 +547,45 @@ def tf_configs(cluster: Cluster, *, rpc_layer: str | None = None) -> list[TFConf
             for t, i in cluster.tasks()]
 
 
+STRATEGY_KINDS: tuple[str, ...] = ("multi_worker_mirrored", "parameter_server")
+
+
+def check_cluster_for(cluster: Cluster | TFConfig, strategy: str) -> None:
+    """Checks that `cluster` has the roles `strategy` needs.
+
+    Args:
+      cluster: a Cluster or a TFConfig.
+      strategy: 'multi_worker_mirrored' (chief/workers, no ps) or
+        'parameter_server' (a chief as coordinator, >= 1 worker, >= 1 ps).
+
+    Raises:
+      TFConfigError: naming the missing or extra roles and the fix.
+    """
+    if isinstance(cluster, TFConfig):
+        cluster = cluster.cluster
+    if strategy not in STRATEGY_KINDS:
+        raise TFConfigError(
+            f"Unknown strategy {strategy!r}. Valid: {', '.join(STRATEGY_KINDS)}."
+        )
+    if strategy == "multi_worker_mirrored":
+        if cluster.ps:
+            raise TFConfigError(
+                f"MultiWorkerMirroredStrategy has no parameter servers, but the cluster "
+                f"lists ps={list(cluster.ps)}. Remove \"ps\" from the cluster, or use the "
+                f"parameter_server strategy."
+            )
+        return
+    missing = ["a chief (the coordinator that runs the training loop)"] if not cluster.chief else []
+    missing += ["at least one worker"] if not cluster.worker else []
+    missing += ["at least one ps"] if not cluster.ps else []
+    if missing:
+        raise TFConfigError(
+            f"ParameterServerStrategy needs {', '.join(missing)}. Received a cluster "
+            f"with {cluster.sizes()}. Example: local_cluster(num_workers=2, num_ps=1, "
+            f"chief=True) or `tfdist tf-config --local --num_workers=2 --num_ps=1 --chief`."
+        )
+
+
 # ---------------------------------------------------------------------------
 # Local ports
 

@@ -1,6 +1,6 @@
 """`tfdist tf-config`: check the TF_CONFIG of this environment, or generate TF_CONFIGs.
 
-    tfdist tf-config --check                       # validate $TF_CONFIG
+    tfdist tf-config --check [--strategy=multi_worker_mirrored]  # validate $TF_CONFIG
     tfdist tf-config --local --num_workers=2 [--num_ps=1] [--chief] [--evaluator]
     tfdist tf-config --hosts=node1,node2,node3 [--num_ps=1] [--chief] [--port=2222]
     tfdist tf-config --slurm [--num_ps=1]          # inside `srun`: this task's TF_CONFIG
@@ -26,6 +26,8 @@ _MODES = ("check", "local", "hosts", "slurm", "kubernetes")
 flags.DEFINE_bool("check", False, "Validate $TF_CONFIG (or --tf_config) and print a summary.")
 flags.DEFINE_string("tf_config", None, "With --check: the TF_CONFIG text to check "
                     "instead of the environment variable.")
+flags.DEFINE_enum("strategy", None, list(cluster_lib.STRATEGY_KINDS),
+                  "With --check: also check the roles this strategy needs.")
 flags.DEFINE_bool("local", False, "Generate TF_CONFIGs for local tasks on free 127.0.0.1 ports.")
 flags.DEFINE_list("hosts", None, "Generate TF_CONFIGs for these machines "
                   "('host' or 'host:port', comma-separated; order: chief, workers, ps, "
@@ -89,6 +91,12 @@ def _check() -> int:
             return 1
     for w in caught:
         _err(f"warning: {w.message}")
+    if config is not None and FLAGS.strategy:
+        try:
+            cluster_lib.check_cluster_for(config, FLAGS.strategy)
+        except cluster_lib.TFConfigError as e:
+            _err(f"error: {e}")
+            return 1
     if config is None:
         _err("TF_CONFIG is not set (or is empty or '{}'): this process would train on "
              "its own. Set it, e.g. with `tfdist tf-config --local --num_workers=2`.")
