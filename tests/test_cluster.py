@@ -97,6 +97,7 @@ def test_evaluator_task_outside_the_cluster():
      ["not valid JSON", "Expecting ',' delimiter", "line 1 column 33", "^"]),
     ("{'cluster': {}}", ["not valid JSON", "double quotes", "json.dumps"]),
     ('{"cluster": {\n  "worker": ["a:1",]\n}}', ["line 2 column"]),
+    ('{"cluster":\n', ["Expecting value", "line 2 column 1"]),
     ("", ["TF_CONFIG is empty"]),
     ("[1, 2]", ["must be a JSON object", "list"]),
 ])
@@ -183,6 +184,10 @@ def test_validation_errors(value, fragments):
     ("[zz::1]:1", ["invalid IPv6 address 'zz::1'"]),
     ("bad_host!:1", ["invalid host name 'bad_host!'"]),
     ("-a:1", ["invalid host name '-a'"]),
+    ("10.0.0.256:1", ["invalid IPv4 address '10.0.0.256'", "0..255"]),
+    ("10.0.0:1", ["invalid IPv4 address '10.0.0'"]),
+    ("a:\u0663", ["invalid port"]),  # a non-ASCII digit
+    ("a:0002222", ["invalid port '0002222'"]),
     (2222, ["must be a string 'host:port'"]),
 ])
 def test_bad_addresses(address, fragments):
@@ -217,6 +222,15 @@ def test_master_is_accepted_with_a_warning():
 def test_unknown_top_level_key_warns():
     with pytest.warns(TFConfigWarning, match="keys TensorFlow ignores: 'clusterr'"):
         C.parse_tf_config(dict(json.loads(cfg()), clusterr={}))
+
+
+def test_mixing_loopback_and_remote_hosts_warns():
+    with pytest.warns(TFConfigWarning, match=r"mixes loopback addresses \(localhost:1\) with "
+                                             r"other hosts \(node2:1\)"):
+        C.parse_tf_config(cfg({"worker": ["localhost:1", "node2:1"]}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.parse_tf_config(cfg({"worker": ["localhost:1", "127.0.0.1:2", "[::1]:3"]}))
 
 
 def test_valid_config_emits_no_warning():

@@ -114,12 +114,21 @@ def split_address(address: Any, *, what: str = "address") -> tuple[str, int]:
                 f"{what} has no host. Received: {what}={address!r}. "
                 f"Write the host before the port, e.g. 'localhost{address}'."
             )
-        if not _HOSTNAME_RE.match(host):
+        looks_ipv4 = re.fullmatch(r"[0-9.]+", host) is not None
+        if looks_ipv4:
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise TFConfigError(
+                    f"{what} has an invalid IPv4 address {host!r}. Received: "
+                    f"{what}={address!r}. Each of the 4 numbers must be 0..255."
+                ) from None
+        elif not _HOSTNAME_RE.match(host):
             raise TFConfigError(
                 f"{what} has an invalid host name {host!r}. Received: {what}={address!r}. "
                 f"Use a host name, an IPv4 address or a bracketed IPv6 address: {_EXAMPLE}."
             )
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 1 <= int(port_text) <= 65535:
         raise TFConfigError(
             f"{what} has an invalid port {port_text!r}. Received: {what}={address!r}. "
             f"The port must be an integer from 1 to 65535, e.g. '{host}:2222'."
@@ -417,7 +426,8 @@ class TFConfig:
 
 
 def _json_error(text: str, err: json.JSONDecodeError) -> TFConfigError:
-    line = text.splitlines()[err.lineno - 1] if text.splitlines() else ""
+    lines = text.splitlines()
+    line = lines[err.lineno - 1] if 0 < err.lineno <= len(lines) else ""
     # Whole line when short; otherwise an 80-character window around the error.
     start = 0 if len(line) <= 100 else max(0, err.colno - 1 - 40)
     snippet = ("..." if start else "") + line[start:start + (100 if not start else 80)]
@@ -489,6 +499,7 @@ def parse_tf_config(value: str | Mapping[str, Any]) -> TFConfig:
             "Add e.g. \"task\": {\"type\": \"worker\", \"index\": 0}."
         )
     cluster = Cluster.from_dict(data["cluster"], what="TF_CONFIG[\"cluster\"]")
+    _warn_mixed_loopback(cluster)
     task = data["task"]
     if not isinstance(task, Mapping):
         raise TFConfigError(
@@ -516,6 +527,30 @@ def parse_tf_config(value: str | Mapping[str, Any]) -> TFConfig:
         task_type = "chief"
     return TFConfig(cluster=cluster, task_type=task_type, task_id=task["index"],
                     rpc_layer=data.get("rpc_layer"))
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.lower().rstrip(".").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_mixed_loopback(cluster: Cluster) -> None:
+    addresses = [cluster.address(*t) for t in cluster.tasks()]
+    local = [a for a in addresses if _is_loopback(split_address(a)[0])]
+    if local and len(local) < len(addresses):
+        remote = [a for a in addresses if a not in local]
+        warnings.warn(
+            f"The cluster mixes loopback addresses ({', '.join(local)}) with other hosts "
+            f"({', '.join(remote)}). A task on another machine cannot reach a loopback "
+            f"address: use every task's real host name or IP.",
+            TFConfigWarning,
+            stacklevel=3,
+        )
 
 
 def tf_config_from_env(environ: Mapping[str, str] | None = None) -> TFConfig | None:
@@ -860,7 +895,7 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 888
             f"SLURM job step? Run the command under srun (one task per TensorFlow "
             f"process), e.g. `srun --ntasks-per-node=1 tfdist tf-config --slurm`."
         )
-    if not procid[1].isdigit():
+    if not re.fullmatch(r"[0-9]+", procid[1]):
         raise TFConfigError(f"SLURM_PROCID must be an integer >= 0. Received: {procid[1]!r}.")
     rank = int(procid[1])
     hosts = expand_hostlist(nodelist[1])

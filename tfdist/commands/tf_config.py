@@ -13,6 +13,7 @@ no traceback), 2 TF_CONFIG unset. Other errors exit 1 with the message.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import warnings
@@ -68,7 +69,7 @@ def _err(message: str) -> None:
 def _print_configs(configs: list[cluster_lib.TFConfig], fmt: str) -> None:
     if FLAGS.task:
         task_type, _, index = FLAGS.task.partition(":")
-        if not index.isdigit():
+        if not re.fullmatch(r"[0-9]+", index):
             raise _UsageError(f"--task must look like 'worker:1'. Received: --task={FLAGS.task!r}")
         configs = [c for c in configs if (c.task_type, c.task_id) == (task_type, int(index))]
         if not configs:
