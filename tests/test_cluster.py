@@ -276,6 +276,7 @@ def test_tf_config_from_env():
     assert C.tf_config_from_env({}) is None
     assert C.tf_config_from_env({"TF_CONFIG": ""}) is None
     assert C.tf_config_from_env({"TF_CONFIG": " {} "}) is None
+    assert C.tf_config_from_env({"TF_CONFIG": "{ \n}"}) is None
     assert C.tf_config_from_env({"TF_CONFIG": cfg(index=1)}).task_id == 1
     with pytest.raises(TFConfigError, match="out of range"):
         C.tf_config_from_env({"TF_CONFIG": cfg(index=5)})

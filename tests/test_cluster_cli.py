@@ -129,3 +129,11 @@ def test_check_roles_for_a_strategy():
     assert_clean(proc)
     proc = run("--check", "--strategy=multi_worker_mirrored", tf_config=GOOD)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_help_lists_the_command_flags():
+    proc = run("--help")
+    assert proc.returncode == 0
+    for flag in ("--[no]check", "--[no]local", "--hosts", "--[no]slurm", "--[no]kubernetes",
+                 "--num_workers", "--strategy"):
+        assert flag in proc.stdout

@@ -564,7 +564,7 @@ def tf_config_from_env(environ: Mapping[str, str] | None = None) -> TFConfig | N
     """
     environ = os.environ if environ is None else environ
     value = environ.get(_TF_CONFIG)
-    if value is None or value.strip() in ("", "{}"):
+    if value is None or "".join(value.split()) in ("", "{}"):
         return None
     return parse_tf_config(value)
 
