@@ -132,8 +132,7 @@ def test_check_roles_for_a_strategy():
 
 
 def test_help_lists_the_command_flags():
-    proc = run("--help")
-    assert proc.returncode == 0
+    proc = run("--help")  # absl exits 1 after --help; what matters is the text
     for flag in ("--[no]check", "--[no]local", "--hosts", "--[no]slurm", "--[no]kubernetes",
                  "--num_workers", "--strategy"):
         assert flag in proc.stdout
