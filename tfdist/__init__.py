@@ -56,6 +56,12 @@ _EXPORTS = {
     "kubernetes_cluster": "tfdist.cluster",
     "to_yaml": "tfdist.cluster",
     "check_cluster_for": "tfdist.cluster",
+    # multi-worker: preset options, chief-only writing, launcher, exact resume
+    "MultiWorkerMirroredOptions": "tfdist.config",
+    "is_chief": "tfdist.chief",
+    "chief_path": "tfdist.chief",
+    "LaunchResult": "tfdist.launch",
+    "BackupAndRestore": "tfdist.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
