@@ -52,6 +52,7 @@ class TaskExit:
     """How one task of the last attempt ended."""
 
     task: str  # "worker:1"
+    pid: int
     returncode: int | None  # None: still running when stopped; <0: killed by that signal
     stopped: bool  # True if the launcher stopped it
 
@@ -249,7 +250,7 @@ class _Group:
                 reader.join(timeout=5)
 
     def exits(self) -> tuple[TaskExit, ...]:
-        return tuple(TaskExit(t.name, t.proc.returncode, t.stopped) for t in self.tasks)
+        return tuple(TaskExit(t.name, t.proc.pid, t.proc.returncode, t.stopped) for t in self.tasks)
 
 
 def _killpg(pgid: int, sig: int) -> None:

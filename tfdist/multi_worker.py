@@ -125,6 +125,10 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
         servers, a ps task, or communication='nccl' without GPUs.
     """
     config = cluster_lib.tf_config_from_env()
+    if config is None and os.environ.get("TF_CONFIG") not in (None, "{}"):
+        # tfdist reads a blank TF_CONFIG as "no cluster"; TensorFlow's resolver
+        # would fail to parse it. Say the same thing in TensorFlow's words.
+        os.environ["TF_CONFIG"] = "{}"
     if config is not None:
         cluster_lib.check_cluster_for(config, "multi_worker_mirrored")
         if config.task_type not in ("chief", "worker", "evaluator"):
