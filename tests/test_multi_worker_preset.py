@@ -74,26 +74,39 @@ def test_join_timeout_message_names_tasks_whose_port_is_closed():
         config = cluster_lib.TFConfig(
             cluster=cluster_lib.Cluster(chief=("127.0.0.1:9",), worker=(up, down)),
             task_type="chief", task_id=0)
-        messages = []
-        with multi_worker.join_watchdog(config, 0.2, on_timeout=messages.append):
-            import time
-
-            time.sleep(2.0)
-    assert len(messages) == 1
-    assert f"these tasks never joined: worker:1 ({down})" in messages[0]
-    assert f"worker:0 ({up})" not in messages[0]  # its port answers: it joined
-    assert "task chief:0 gave up after waiting 0.2 s" in messages[0]
+        missing = multi_worker.missing_tasks(config)
+    assert missing == [f"worker:1 ({down})"]
+    message = multi_worker.join_timeout_message(config, 0.5, missing)
+    assert (f"task chief:0 gave up after waiting 0.5 s for the cluster (chief=1 worker=2): "
+            f"these tasks never joined: worker:1 ({down})") in message
+    assert "raise --join_timeout" in message
 
 
-def test_join_watchdog_does_nothing_when_the_block_finishes():
-    config = cluster_lib.parse_tf_config(_tf_config())
-    messages = []
-    with multi_worker.join_watchdog(config, 0.5, on_timeout=messages.append):
-        pass
-    import time
+_WATCHDOG_CHILD = """
+import sys, time
+from tfdist import cluster, multi_worker
+config = cluster.parse_tf_config(sys.argv[1])
+with multi_worker.join_watchdog(config, float(sys.argv[2])):
+    time.sleep(float(sys.argv[3]))   # stands in for the blocking constructor
+print("joined", flush=True)
+"""
 
-    time.sleep(0.8)
-    assert messages == []
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout,block,killed", [(0.5, 30, True), (10, 0.2, False)])
+def test_join_watchdog_kills_only_a_blocked_process(timeout, block, killed):
+    from tests.helpers import run_python
+
+    down = f"127.0.0.1:{cluster_lib.free_ports(1)[0]}"
+    config = _tf_config("worker", 0, worker=["127.0.0.1:1", down])
+    result = run_python("-c", _WATCHDOG_CHILD, config, str(timeout), str(block), timeout=40)
+    if killed:
+        assert result.returncode == -9
+        assert f"these tasks never joined: worker:1 ({down})" in result.stderr
+        assert "joined" not in result.stdout
+    else:
+        assert result.returncode == 0 and "joined" in result.stdout, result.stderr
+        assert result.stderr == ""
 
 
 def test_is_chief_and_chief_path():

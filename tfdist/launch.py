@@ -99,14 +99,14 @@ def _describe_exit(returncode: int) -> str:
 
 
 def _hint(returncode: int, tail: Sequence[str]) -> str:
-    from tfdist.multi_worker import JOIN_TIMEOUT_EXIT_CODE
+    from tfdist.multi_worker import JOIN_TIMEOUT_MARKER
 
     text = "\n".join(tail)
     if "Address already in use" in text or "Could not start gRPC server" in text:
         return (" Its port was taken by another process between the launcher's check and "
                 "the server's start: run again (or use --max_restarts) to get fresh ports.")
-    if returncode == JOIN_TIMEOUT_EXIT_CODE:
-        return " A peer never joined the cluster (join timeout)."
+    if JOIN_TIMEOUT_MARKER in text:
+        return " A peer never joined the cluster (join timeout; see the message above)."
     if returncode == -signal.SIGKILL:
         return " (killed from outside, or by the kernel's out-of-memory killer)."
     return ""

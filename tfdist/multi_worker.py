@@ -8,9 +8,9 @@ What tfdist adds to `tf.distribute.MultiWorkerMirroredStrategy()`:
 - The Keras 3 fixes for `model.fit` are applied (tfdist.compat.keras_multi_worker).
 - A join timeout: TensorFlow's constructor blocks until every task has
   joined, forever. The blocking call is in C++ and cannot be interrupted from
-  Python, so a watchdog thread ends the process after `join_timeout` seconds
-  with exit code JOIN_TIMEOUT_EXIT_CODE and a message naming the tasks whose
-  servers never came up (found by connecting to each peer's port).
+  Python (it holds the GIL), so a small watchdog process prints a message
+  naming the tasks whose servers never came up (found by connecting to each
+  peer's port) and SIGKILLs the task after `join_timeout` seconds.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
+import signal
 import socket
+import subprocess
 import sys
-import threading
 import time
 
 from tfdist import cluster as cluster_lib
@@ -29,8 +31,8 @@ from tfdist._tf import import_tensorflow
 
 logger = logging.getLogger("tfdist")
 
-# EX_TEMPFAIL: a peer did not come up in time; running again may work.
-JOIN_TIMEOUT_EXIT_CODE = 75
+# The first words of the join-timeout message (the launcher looks for them).
+JOIN_TIMEOUT_MARKER = "gave up after waiting"
 
 
 def _port_open(address: str, timeout: float = 1.0) -> bool:
@@ -72,39 +74,55 @@ def join_timeout_message(config: cluster_lib.TFConfig, timeout: float,
 
 
 @contextlib.contextmanager
-def join_watchdog(config: cluster_lib.TFConfig | None, timeout: float, *,
-                  on_timeout=None):
-    """Ends the process if the block inside does not finish within `timeout` s.
+def join_watchdog(config: cluster_lib.TFConfig | None, timeout: float):
+    """Kills this process if the block inside does not finish within `timeout` s.
+
+    TensorFlow's constructor blocks in C++ while holding the GIL, so a Python
+    thread cannot watch it. The watchdog is a small separate process (no
+    TensorFlow): when the block ends (or this process dies) its stdin closes
+    and it exits; after `timeout` s it prints the message naming the tasks
+    that never joined to our stderr and SIGKILLs this process.
 
     Args:
       config: this task's TF_CONFIG (None: one worker, nothing to wait for).
       timeout: seconds.
-      on_timeout: called with the message instead of exiting (for tests).
     """
-    if config is None or config.cluster.num_training_tasks < 2:
+    if config is None or config.cluster.num_training_tasks < 2 or config.task_type not in (
+            "chief", "worker"):
         yield
         return
-    done = threading.Event()
-
-    def watch():
-        if done.wait(timeout):
-            return
-        message = join_timeout_message(config, timeout, missing_tasks(config))
-        if on_timeout is not None:
-            on_timeout(message)
-            return
-        sys.stdout.flush()
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-        # The constructor is blocked in C++; only ending the process stops it.
-        os._exit(JOIN_TIMEOUT_EXIT_CODE)
-
-    thread = threading.Thread(target=watch, name="tfdist-join-watchdog", daemon=True)
-    thread.start()
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CONFIG=config.to_json(),
+               PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", "from tfdist.multi_worker import _watchdog_main; "
+         "_watchdog_main()", str(os.getpid()), repr(float(timeout))],
+        stdin=subprocess.PIPE, env=env, close_fds=True)
     try:
         yield
     finally:
-        done.set()
+        watchdog.stdin.close()
+        try:
+            watchdog.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            watchdog.kill()
+            watchdog.wait()
+
+
+def _watchdog_main() -> None:
+    """The watchdog process: argv = [parent pid, timeout]; TF_CONFIG in the env."""
+    parent, timeout = int(sys.argv[1]), float(sys.argv[2])
+    readable, _, _ = select.select([sys.stdin], [], [], timeout)
+    if readable:  # the parent finished joining, or died
+        return
+    config = cluster_lib.tf_config_from_env()
+    message = join_timeout_message(config, timeout, missing_tasks(config))
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    try:
+        os.kill(parent, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _communication_options(tf, options: config_lib.MultiWorkerMirroredOptions):
