@@ -635,20 +635,21 @@ import json, os
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 from tfdist import cluster as C
 from tfdist._tf import import_tensorflow
-cluster = C.local_cluster(num_workers=2, num_ps=1)
+cluster = C.local_cluster(num_workers=2, num_ps=1, chief=True)
 tf = import_tensorflow()
 from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
 # In-process servers share one inter-op pool: give them threads (2-core machine).
 config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=8)
 servers = []
-for task in C.tf_configs(cluster):
+for task in C.tf_configs(cluster)[1:]:  # this process is the chief
+    assert task.task_type != "chief"
     os.environ["TF_CONFIG"] = task.to_json()
     r = TFConfigClusterResolver()
     servers.append(tf.distribute.Server(r.cluster_spec(), job_name=r.task_type,
                                         task_index=r.task_id, config=config, start=True))
 del os.environ["TF_CONFIG"]
 tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster.cluster_dict()),
-                                          job_name="chief")
+                                          job_name="chief", task_index=0)
 out = {}
 for task_type, task_id in cluster.tasks():
     with tf.device(f"/job:{task_type}/task:{task_id}/device:CPU:0"):
@@ -667,6 +668,7 @@ def test_tensorflow_servers_run_on_the_generated_cluster():
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[0][len("RESULT "):])
     assert out == {
+        "chief:0": [2.0, "/job:chief/replica:0/task:0/device:CPU:0"],
         "worker:0": [2.0, "/job:worker/replica:0/task:0/device:CPU:0"],
         "worker:1": [4.0, "/job:worker/replica:0/task:1/device:CPU:0"],
         "ps:0": [2.0, "/job:ps/replica:0/task:0/device:CPU:0"],
