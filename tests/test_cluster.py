@@ -350,6 +350,20 @@ def test_a_bound_port_is_never_handed_out(monkeypatch):
         assert port not in got and len(set(got)) == 2
 
 
+def test_check_local_ports():
+    c = C.local_cluster(num_workers=2)
+    C.check_local_ports(c)
+    port = int(c.worker[1].rsplit(":", 1)[1])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        with pytest.raises(TFConfigError, match=rf"Port {port} of worker:1 \(127.0.0.1:{port}\) "
+                                                r"is already in use on this machine"):
+            C.check_local_ports(c)
+        # Remote addresses are never probed.
+        C.check_local_ports(Cluster(worker=(f"node1:{port}",)))
+    C.check_local_ports(c)
+
+
 def test_local_cluster_rejects_bad_input():
     with pytest.raises(TFConfigError, match=r"num_workers must be an integer >= 1. "
                                             r"Received: num_workers=0"):

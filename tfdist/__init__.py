@@ -55,6 +55,7 @@ _EXPORTS = {
     "kubernetes_cluster": "tfdist.cluster",
     "to_yaml": "tfdist.cluster",
     "check_cluster_for": "tfdist.cluster",
+    "check_local_ports": "tfdist.cluster",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
