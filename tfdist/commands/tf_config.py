@@ -112,10 +112,10 @@ def _check() -> int:
 
 
 def _run(mode: str, extra: list[str]) -> int:
-    if mode == "check":
-        return _check()
     if mode != "kubernetes" and extra:
         raise _UsageError(f"unexpected arguments: {' '.join(extra)}")
+    if mode == "check":
+        return _check()
     fmt = FLAGS.format
     if mode == "kubernetes":
         missing = [f"--{n}" for n in ("name", "image", "num_workers") if getattr(FLAGS, n) is None]
