@@ -350,6 +350,16 @@ def test_a_bound_port_is_never_handed_out(monkeypatch):
         assert port not in got and len(set(got)) == 2
 
 
+def test_falls_back_to_kernel_ports_when_the_range_is_busy(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(C.random.SystemRandom, "randrange", lambda self, a, b: port)
+        got = C.free_ports(3)
+        assert port not in got and len(set(got)) == 3
+        assert all(p >= 1024 for p in got)
+
+
 def test_check_local_ports():
     c = C.local_cluster(num_workers=2)
     C.check_local_ports(c)
