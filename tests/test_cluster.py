@@ -683,6 +683,7 @@ print("RESULT", json.dumps(out))
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_tensorflow_servers_run_on_the_generated_cluster():
     """TF gRPC servers bind the local_cluster ports from our TF_CONFIGs and run ops."""

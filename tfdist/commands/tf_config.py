@@ -7,7 +7,8 @@
     tfdist tf-config --kubernetes --name=mnist --image=IMAGE --num_workers=2 -- python train.py
 
 Exit codes of --check: 0 valid (one-line summary), 1 invalid (the message,
-no traceback), 2 TF_CONFIG unset. Other errors exit 1 with the message.
+no traceback), 2 TF_CONFIG unset. The generators exit 1 on invalid input
+(the message) and 2 on a usage error (e.g. no mode, a missing flag).
 """
 
 from __future__ import annotations
