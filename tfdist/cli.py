@@ -40,6 +40,11 @@ def run(argv: list[str] | None = None) -> None:
         print(f"tfdist: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(COMMANDS[command][0])
+    # Make the command's own flags the ones `--help` lists (absl shows the
+    # main module's key flags, and the main module here is tfdist.cli).
+    from absl import flags
+
+    flags.adopt_module_key_flags(module)
     app.run(module.main, argv=[f"tfdist {command}"] + argv[2:])
 
 

@@ -58,11 +58,6 @@ flags.DEFINE_enum("restart_policy", "OnFailure", ["Always", "OnFailure", "Never"
 
 FLAGS = flags.FLAGS
 
-# absl's --help lists the key flags of sys.argv[0]'s module (the `tfdist`
-# script), not of this module: register ours there so --help shows them.
-for _flag in FLAGS.get_flags_for_module(__name__):
-    FLAGS.register_key_flag_for_module(sys.argv[0], _flag)
-
 
 class _UsageError(Exception):
     pass
