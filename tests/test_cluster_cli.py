@@ -138,3 +138,10 @@ def test_help_lists_the_command_flags():
     for flag in ("--[no]check", "--[no]local", "--hosts", "--[no]slurm", "--[no]kubernetes",
                  "--num_workers", "--strategy"):
         assert flag in proc.stdout
+
+
+def test_every_command_help_lists_its_own_flags():
+    from tests.helpers import run_python
+
+    result = run_python("-m", "tfdist.cli", "tf-config", "--help", timeout=60)
+    assert "--[no]check" in result.stdout and "--num_workers" in result.stdout, result.stdout

@@ -40,11 +40,12 @@ def run(argv: list[str] | None = None) -> None:
         print(f"tfdist: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(COMMANDS[command][0])
-    # Make the command's own flags the ones `--help` lists (absl shows the
-    # main module's key flags, and the main module here is tfdist.cli).
+    # absl's --help lists the key flags of sys.argv[0]'s module (the `tfdist`
+    # script): register the command's flags there so --help shows them.
     from absl import flags
 
-    flags.adopt_module_key_flags(module)
+    for flag in flags.FLAGS.get_flags_for_module(module.__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(module.main, argv=[f"tfdist {command}"] + argv[2:])
 
 
