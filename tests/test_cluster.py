@@ -350,6 +350,30 @@ def test_a_bound_port_is_never_handed_out(monkeypatch):
         assert port not in got and len(set(got)) == 2
 
 
+def test_falls_back_to_kernel_ports_when_the_range_is_busy(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(C.random.SystemRandom, "randrange", lambda self, a, b: port)
+        got = C.free_ports(3)
+        assert port not in got and len(set(got)) == 3
+        assert all(p >= 1024 for p in got)
+
+
+def test_check_local_ports():
+    c = C.local_cluster(num_workers=2)
+    C.check_local_ports(c)
+    port = int(c.worker[1].rsplit(":", 1)[1])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        with pytest.raises(TFConfigError, match=rf"Port {port} of worker:1 \(127.0.0.1:{port}\) "
+                                                r"is already in use on this machine"):
+            C.check_local_ports(c)
+        # Remote addresses are never probed.
+        C.check_local_ports(Cluster(worker=(f"node1:{port}",)))
+    C.check_local_ports(c)
+
+
 def test_local_cluster_rejects_bad_input():
     with pytest.raises(TFConfigError, match=r"num_workers must be an integer >= 1. "
                                             r"Received: num_workers=0"):
@@ -628,3 +652,49 @@ def test_check_cluster_for_accepts():
     full = Cluster(chief=("c:1",), worker=("a:1",), ps=("p:1",))
     C.check_cluster_for(full, "parameter_server")
     C.check_cluster_for(TFConfig(cluster=full, task_type="ps", task_id=0), "parameter_server")
+
+
+_SERVERS_SCRIPT = r'''
+import json, os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+from tfdist import cluster as C
+from tfdist._tf import import_tensorflow
+cluster = C.local_cluster(num_workers=2, num_ps=1, chief=True)
+tf = import_tensorflow()
+from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+# In-process servers share one inter-op pool: give them threads (2-core machine).
+config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=8)
+servers = []
+for task in C.tf_configs(cluster)[1:]:  # this process is the chief
+    assert task.task_type != "chief"
+    os.environ["TF_CONFIG"] = task.to_json()
+    r = TFConfigClusterResolver()
+    servers.append(tf.distribute.Server(r.cluster_spec(), job_name=r.task_type,
+                                        task_index=r.task_id, config=config, start=True))
+del os.environ["TF_CONFIG"]
+tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster.cluster_dict()),
+                                          job_name="chief", task_index=0)
+out = {}
+for task_type, task_id in cluster.tasks():
+    with tf.device(f"/job:{task_type}/task:{task_id}/device:CPU:0"):
+        x = tf.constant(float(task_id) + 1.0) * 2.0
+    out[f"{task_type}:{task_id}"] = [float(x.numpy()), x.device]
+print("RESULT", json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tensorflow_servers_run_on_the_generated_cluster():
+    """TF gRPC servers bind the local_cluster ports from our TF_CONFIGs and run ops."""
+    proc = subprocess.run([sys.executable, "-c", _SERVERS_SCRIPT], capture_output=True,
+                          text=True, timeout=150)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    assert out == {
+        "chief:0": [2.0, "/job:chief/replica:0/task:0/device:CPU:0"],
+        "worker:0": [2.0, "/job:worker/replica:0/task:0/device:CPU:0"],
+        "worker:1": [4.0, "/job:worker/replica:0/task:1/device:CPU:0"],
+        "ps:0": [2.0, "/job:ps/replica:0/task:0/device:CPU:0"],
+    }

@@ -112,6 +112,8 @@ def test_kubernetes_yaml():
     (("--local", "--num_workers=0"), 1, "num_workers must be an integer >= 1"),
     (("--kubernetes", "--name=x"), 2, "--kubernetes needs --image, --num_workers, a command"),
     (("--hosts=a", "--num_workers=1"), 2, "--hosts takes no --num_workers"),
+    (("--check", "extra"), 2, "unexpected arguments: extra"),
+    (("--hosts=",), 1, "Not enough hosts: 0 host(s)"),
     (("--local", "--num_workers=1", "--task=chief:0"), 2, "not a task of this cluster"),
 ])
 def test_usage_errors(args, code, fragment):
@@ -136,3 +138,10 @@ def test_help_lists_the_command_flags():
     for flag in ("--[no]check", "--[no]local", "--hosts", "--[no]slurm", "--[no]kubernetes",
                  "--num_workers", "--strategy"):
         assert flag in proc.stdout
+
+
+def test_every_command_help_lists_its_own_flags():
+    from tests.helpers import run_python
+
+    result = run_python("-m", "tfdist.cli", "tf-config", "--help", timeout=60)
+    assert "--[no]check" in result.stdout and "--num_workers" in result.stdout, result.stdout

@@ -56,6 +56,7 @@ _EXPORTS = {
     "kubernetes_cluster": "tfdist.cluster",
     "to_yaml": "tfdist.cluster",
     "check_cluster_for": "tfdist.cluster",
+    "check_local_ports": "tfdist.cluster",
     # multi-worker: preset options, chief-only writing, launcher, exact resume
     "MultiWorkerMirroredOptions": "tfdist.config",
     "is_chief": "tfdist.chief",

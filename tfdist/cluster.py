@@ -684,6 +684,32 @@ def free_ports(count: int, *, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def check_local_ports(cluster: Cluster) -> None:
+    """Checks that every loopback address of `cluster` has a free port right now.
+
+    Call it just before starting the local tasks: a port taken since it was
+    picked (or a hand-written cluster reusing a busy port) fails here with the
+    task's name instead of as "Could not start gRPC server" in a child.
+    Non-loopback addresses are not touched.
+
+    Raises:
+      TFConfigError: naming the task, its address and the fix.
+    """
+    for task_type, task_id in cluster.tasks():
+        address = cluster.address(task_type, task_id)
+        host, port = split_address(address)
+        if not _is_loopback(host) or host.startswith("["):
+            continue
+        sock = _try_bind("127.0.0.1" if host.lower() == "localhost" else host, port)
+        if sock is None:
+            raise TFConfigError(
+                f"Port {port} of {task_type}:{task_id} ({address}) is already in use on "
+                f"this machine. Stop the process holding it, or pick free ports with "
+                f"local_cluster() / `tfdist tf-config --local`."
+            )
+        sock.close()
+
+
 def _check_count(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise TFConfigError(f"{name} must be an integer >= {minimum}. Received: {name}={value!r}")

@@ -7,7 +7,8 @@
     tfdist tf-config --kubernetes --name=mnist --image=IMAGE --num_workers=2 -- python train.py
 
 Exit codes of --check: 0 valid (one-line summary), 1 invalid (the message,
-no traceback), 2 TF_CONFIG unset. Other errors exit 1 with the message.
+no traceback), 2 TF_CONFIG unset. The generators exit 1 on invalid input
+(the message) and 2 on a usage error (e.g. no mode, a missing flag).
 """
 
 from __future__ import annotations
@@ -56,11 +57,6 @@ flags.DEFINE_enum("restart_policy", "OnFailure", ["Always", "OnFailure", "Never"
                   "--kubernetes: the replicas' restartPolicy.")
 
 FLAGS = flags.FLAGS
-
-# absl's --help lists the key flags of sys.argv[0]'s module (the `tfdist`
-# script), not of this module: register ours there so --help shows them.
-for _flag in FLAGS.get_flags_for_module(__name__):
-    FLAGS.register_key_flag_for_module(sys.argv[0], _flag)
 
 
 class _UsageError(Exception):
@@ -112,10 +108,10 @@ def _check() -> int:
 
 
 def _run(mode: str, extra: list[str]) -> int:
-    if mode == "check":
-        return _check()
     if mode != "kubernetes" and extra:
         raise _UsageError(f"unexpected arguments: {' '.join(extra)}")
+    if mode == "check":
+        return _check()
     fmt = FLAGS.format
     if mode == "kubernetes":
         missing = [f"--{n}" for n in ("name", "image", "num_workers") if getattr(FLAGS, n) is None]
