@@ -16,6 +16,7 @@ Workers are started with tfdist's launcher; each runs this file with
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -45,6 +46,11 @@ FEATURES = 256
 # --- worker side (runs under `tfdist launch`) ----------------------------------------
 
 
+def _fetch(strategy, value) -> None:
+    for local in strategy.experimental_local_results(value):
+        local.numpy()
+
+
 def _allreduce_worker(quick: bool, out: str) -> None:
     import tfdist
 
@@ -53,20 +59,27 @@ def _allreduce_worker(quick: bool, out: str) -> None:
     strategy = tfdist.make_strategy("multi_worker_mirrored", communication="ring")
     points = []
     for size in (QUICK_SIZES if quick else SIZES):
-        value = tf.ones([size // 4], tf.float32)
+        value = strategy.experimental_distribute_values_from_function(
+            lambda _, n=size // 4: tf.ones([n], tf.float32))
+
+        device = strategy.extended.worker_devices[0]
+
+        def replica_fn(x):
+            with tf.device(device):  # in a tf.function the tensor has no device yet
+                x = tf.identity(x)
+            return tf.distribute.get_replica_context().all_reduce("SUM", x)
 
         @tf.function
         def allreduce(v):
-            return strategy.run(
-                lambda x: tf.distribute.get_replica_context().all_reduce("SUM", x), args=(v,))
+            return strategy.run(replica_fn, args=(v,))
 
         repeats = 5 if quick else (20 if size <= 4 * MB else 8)
         for _ in range(3):
-            allreduce(value).numpy()
+            _fetch(strategy, allreduce(value))
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            allreduce(value).numpy()
+            _fetch(strategy, allreduce(value))
             times.append(time.perf_counter() - start)
         points.append({"bytes": size, "seconds": statistics.median(times),
                        "all_seconds": times})
@@ -134,11 +147,12 @@ def _launch_role(role: str, num_workers: int, quick: bool) -> dict:
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, "-m", "experiments.bench_multiworker", f"--role={role}",
                f"--worker_out={out}"] + (["--quick"] if quick else [])
-        sink = open(os.devnull, "w")
+        log = io.StringIO()
         result = launch_lib.launch(cmd, num_workers=num_workers, timeout=900, env=env,
-                                   stdout=sink, stderr=sink)
+                                   stdout=log, stderr=log)
         if result.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"{role} workers failed: {result.message}")
+            tail = "\n".join(log.getvalue().splitlines()[-30:])
+            raise RuntimeError(f"{role} workers failed: {result.message}\n{tail}")
         with open(out) as f:
             return json.load(f)
 
