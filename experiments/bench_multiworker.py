@@ -38,7 +38,7 @@ KB, MB = 1024, 1024 * 1024
 SIZES = [KB, 4 * KB, 16 * KB, 64 * KB, 256 * KB, MB, 4 * MB, 16 * MB, 64 * MB]
 QUICK_SIZES = [KB, 16 * KB, 256 * KB, 4 * MB]
 SCALING_TARGET = 1.7
-PER_WORKER_BATCH = 512
+PER_WORKER_BATCH = 1024
 HIDDEN = 1024
 FEATURES = 256
 
@@ -234,7 +234,9 @@ def run(quick: bool) -> list[dict]:
     rows.append(_row("scaling_2workers_samples_per_sec", two["samples_per_sec"], "samples/s",
                      f"2 workers x 1 thread, {PER_WORKER_BATCH} per worker"))
     comm = alpha + two["gradient_bytes"] * beta
+    load = os.getloadavg()[0]
     rows.append(_row("scaling_2workers_vs_1", speedup, "x",
+                     f"load average {load:.1f} on {os.cpu_count()} cores; "
                      f"step {one['step_seconds'] * 1e3:.1f} ms -> {two['step_seconds'] * 1e3:.1f}"
                      f" ms; all-reduce of {two['gradient_bytes'] / MB:.1f} MB gradients "
                      f"predicted {comm * 1e3:.1f} ms by the fit", target=SCALING_TARGET))
