@@ -190,13 +190,18 @@ def loopback_tcp_bytes_per_sec(total_bytes: int = 256 * MB, chunk: int = MB) -> 
 
 
 def alpha_beta_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares T = alpha + K*beta over (K bytes, T seconds); returns (alpha, beta)."""
+    """Fits T = alpha + K*beta over (K bytes, T seconds); returns (alpha, beta).
+
+    Least squares on the relative error (each equation divided by T): sizes
+    span 1 KB..64 MB, and plain least squares would let the largest messages
+    decide alpha (it can even come out negative).
+    """
     import numpy as np
 
     k = np.array([p[0] for p in points], dtype=float)
     t = np.array([p[1] for p in points], dtype=float)
-    a = np.stack([np.ones_like(k), k], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    a = np.stack([np.ones_like(k), k], axis=1) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
     return float(alpha), float(beta)
 
 
