@@ -406,11 +406,13 @@ def _supervise(group: _Group, cluster: cluster_lib.Cluster, *, signals: _Signals
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m tfdist.launch ...`: same flags as `tfdist launch`."""
-    from absl import app
+    from absl import app, flags
 
     from tfdist.commands import launch as launch_command
 
     argv = list(sys.argv if argv is None else argv)
+    for flag in flags.FLAGS.get_flags_for_module(launch_command.__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)  # so --help lists them
     app.run(launch_command.main, argv=["python -m tfdist.launch"] + argv[1:])
     return 0
 
