@@ -110,3 +110,20 @@ def test_missing_worker_fails_after_join_timeout_naming_it(tmp_path):
     assert f"these tasks never joined: worker:1 ({address})" in err
     assert "worker:0 gave up after waiting 5 s" in err
     assert "A peer never joined the cluster (join timeout" in err
+
+
+@pytest.mark.timeout(180)
+def test_without_tf_config_it_is_a_one_worker_run(tmp_path, reference):
+    from tests.helpers import run_python
+
+    out = tmp_path / "w.npy"
+    result = run_python("-c", f"""
+import numpy as np, tfdist
+from tests import multi_worker_script as script
+strategy = tfdist.make_strategy("multi_worker_mirrored")
+print("replicas", strategy.num_replicas_in_sync)
+np.save({str(out)!r}, script.train(strategy, "tfdata"))
+""", env={"TF_CONFIG": ""}, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas 1" in result.stdout
+    np.testing.assert_allclose(np.load(out), reference["tfdata"], rtol=0, atol=1e-5)
