@@ -153,7 +153,7 @@ def test_taken_port_is_a_clear_error(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
         sock.listen()
-        with pytest.raises(ValueError, match=rf"Port {port} for task worker:0 .* already in use"):
+        with pytest.raises(ValueError, match=rf"Port {port} of worker:0 .* already in use"):
             launch_lib.launch([PY, "-c", "pass"], num_workers=1, cluster=cluster)
 
 

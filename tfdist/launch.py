@@ -155,18 +155,6 @@ def check_command(cmd: Sequence[str]) -> list[str]:
     return cmd
 
 
-def _check_ports_free(cluster: cluster_lib.Cluster) -> None:
-    for task_type, task_id in cluster.tasks():
-        host, port = cluster_lib.split_address(cluster.address(task_type, task_id))
-        sock = cluster_lib._try_bind("127.0.0.1" if host == "localhost" else host, port)
-        if sock is None:
-            raise ValueError(
-                f"Port {port} for task {task_type}:{task_id} ({host}:{port}) is already in use "
-                f"by another process. Free it, or let the launcher pick free ports (do not "
-                f"pass a cluster).")
-        sock.close()
-
-
 def _pdeathsig():
     """In the child, before exec: die with SIGKILL when the launcher dies (Linux)."""
     try:
@@ -350,7 +338,7 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
                 this_cluster = cluster_lib.local_cluster(
                     num_workers=num_workers, num_ps=num_ps, chief=chief, evaluator=evaluator)
             else:
-                _check_ports_free(cluster)
+                cluster_lib.check_local_ports(cluster)  # TFConfigError (a ValueError)
                 this_cluster = cluster
             say(f"attempt {attempt}: starting {len(this_cluster.tasks())} tasks "
                 f"({this_cluster.sizes()}) on 127.0.0.1 ports "
