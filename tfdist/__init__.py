@@ -63,6 +63,9 @@ _EXPORTS = {
     "chief_path": "tfdist.chief",
     "LaunchResult": "tfdist.launch",
     "BackupAndRestore": "tfdist.checkpoint",
+    # notebooks
+    "notebook_launcher": "tfdist.notebook",
+    "NotebookLaunchError": "tfdist.notebook",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
