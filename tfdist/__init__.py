@@ -33,6 +33,8 @@ _EXPORTS = {
     "OneDeviceOptions": "tfdist.config",
     "MirroredOptions": "tfdist.config",
     "per_replica_batch_size": "tfdist.config",
+    # TensorFlow without its C++ start-up lines
+    "import_tensorflow": "tfdist._tf",
     # devices
     "configure_logical_devices": "tfdist.devices",
     "configure_threads": "tfdist.devices",

@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 _RUNNER = """\
 import json, os, pickle, sys
 sys.path[:0] = {paths!r}
+from tfdist._tf import import_tensorflow
+import_tensorflow()  # before the function imports keras: no C++ start-up lines
 with open({args_path!r}, "rb") as f:
     _args, _kwargs = pickle.load(f)
 {source}
