@@ -50,6 +50,9 @@ _EXPORTS = {
     "free_ports": "tfdist.cluster",
     "local_cluster": "tfdist.cluster",
     "hosts_cluster": "tfdist.cluster",
+    # parameter-server training
+    "ParameterServerOptions": "tfdist.config",
+    "ParameterServerError": "tfdist.ps",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
