@@ -26,6 +26,7 @@ _EXPORTS = {
     "get_preset": "tfdist.strategies",
     "register_preset": "tfdist.strategies",
     "describe": "tfdist.strategies",
+    "replica_devices": "tfdist.strategies",
     "Preset": "tfdist.strategies",
     # configuration
     "DefaultOptions": "tfdist.config",
@@ -50,6 +51,18 @@ _EXPORTS = {
     "free_ports": "tfdist.cluster",
     "local_cluster": "tfdist.cluster",
     "hosts_cluster": "tfdist.cluster",
+    "slurm_tf_config": "tfdist.cluster",
+    "kubernetes_tfjob": "tfdist.cluster",
+    "kubernetes_cluster": "tfdist.cluster",
+    "to_yaml": "tfdist.cluster",
+    "check_cluster_for": "tfdist.cluster",
+    "check_local_ports": "tfdist.cluster",
+    # multi-worker: preset options, chief-only writing, launcher, exact resume
+    "MultiWorkerMirroredOptions": "tfdist.config",
+    "is_chief": "tfdist.chief",
+    "chief_path": "tfdist.chief",
+    "LaunchResult": "tfdist.launch",
+    "BackupAndRestore": "tfdist.checkpoint",
     # parameter-server training
     "ParameterServerOptions": "tfdist.config",
     "ParameterServerError": "tfdist.ps",

@@ -114,12 +114,21 @@ def split_address(address: Any, *, what: str = "address") -> tuple[str, int]:
                 f"{what} has no host. Received: {what}={address!r}. "
                 f"Write the host before the port, e.g. 'localhost{address}'."
             )
-        if not _HOSTNAME_RE.match(host):
+        looks_ipv4 = re.fullmatch(r"[0-9.]+", host) is not None
+        if looks_ipv4:
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise TFConfigError(
+                    f"{what} has an invalid IPv4 address {host!r}. Received: "
+                    f"{what}={address!r}. Each of the 4 numbers must be 0..255."
+                ) from None
+        elif not _HOSTNAME_RE.match(host):
             raise TFConfigError(
                 f"{what} has an invalid host name {host!r}. Received: {what}={address!r}. "
                 f"Use a host name, an IPv4 address or a bracketed IPv6 address: {_EXAMPLE}."
             )
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 1 <= int(port_text) <= 65535:
         raise TFConfigError(
             f"{what} has an invalid port {port_text!r}. Received: {what}={address!r}. "
             f"The port must be an integer from 1 to 65535, e.g. '{host}:2222'."
@@ -417,9 +426,11 @@ class TFConfig:
 
 
 def _json_error(text: str, err: json.JSONDecodeError) -> TFConfigError:
-    line = text.splitlines()[err.lineno - 1] if text.splitlines() else ""
-    start = max(0, err.colno - 1 - 40)
-    snippet = ("..." if start else "") + line[start:start + 80]
+    lines = text.splitlines()
+    line = lines[err.lineno - 1] if 0 < err.lineno <= len(lines) else ""
+    # Whole line when short; otherwise an 80-character window around the error.
+    start = 0 if len(line) <= 100 else max(0, err.colno - 1 - 40)
+    snippet = ("..." if start else "") + line[start:start + (100 if not start else 80)]
     caret = " " * (err.colno - 1 - start + (3 if start else 0)) + "^"
     hint = ""
     if "'" in text and "property name enclosed in double quotes" in err.msg:
@@ -488,6 +499,7 @@ def parse_tf_config(value: str | Mapping[str, Any]) -> TFConfig:
             "Add e.g. \"task\": {\"type\": \"worker\", \"index\": 0}."
         )
     cluster = Cluster.from_dict(data["cluster"], what="TF_CONFIG[\"cluster\"]")
+    _warn_mixed_loopback(cluster)
     task = data["task"]
     if not isinstance(task, Mapping):
         raise TFConfigError(
@@ -517,6 +529,30 @@ def parse_tf_config(value: str | Mapping[str, Any]) -> TFConfig:
                     rpc_layer=data.get("rpc_layer"))
 
 
+def _is_loopback(host: str) -> bool:
+    host = host.lower().rstrip(".").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_mixed_loopback(cluster: Cluster) -> None:
+    addresses = [cluster.address(*t) for t in cluster.tasks()]
+    local = [a for a in addresses if _is_loopback(split_address(a)[0])]
+    if local and len(local) < len(addresses):
+        remote = [a for a in addresses if a not in local]
+        warnings.warn(
+            f"The cluster mixes loopback addresses ({', '.join(local)}) with other hosts "
+            f"({', '.join(remote)}). A task on another machine cannot reach a loopback "
+            f"address: use every task's real host name or IP.",
+            TFConfigWarning,
+            stacklevel=3,
+        )
+
+
 def tf_config_from_env(environ: Mapping[str, str] | None = None) -> TFConfig | None:
     """The validated TF_CONFIG of this process, or None when it is unset.
 
@@ -528,7 +564,7 @@ def tf_config_from_env(environ: Mapping[str, str] | None = None) -> TFConfig | N
     """
     environ = os.environ if environ is None else environ
     value = environ.get(_TF_CONFIG)
-    if value is None or value.strip() in ("", "{}"):
+    if value is None or "".join(value.split()) in ("", "{}"):
         return None
     return parse_tf_config(value)
 
@@ -544,6 +580,45 @@ def tf_configs(cluster: Cluster, *, rpc_layer: str | None = None) -> list[TFConf
     """One TFConfig per task of `cluster` (evaluator included), chief first."""
     return [TFConfig(cluster=cluster, task_type=t, task_id=i, rpc_layer=rpc_layer)
             for t, i in cluster.tasks()]
+
+
+STRATEGY_KINDS: tuple[str, ...] = ("multi_worker_mirrored", "parameter_server")
+
+
+def check_cluster_for(cluster: Cluster | TFConfig, strategy: str) -> None:
+    """Checks that `cluster` has the roles `strategy` needs.
+
+    Args:
+      cluster: a Cluster or a TFConfig.
+      strategy: 'multi_worker_mirrored' (chief/workers, no ps) or
+        'parameter_server' (a chief as coordinator, >= 1 worker, >= 1 ps).
+
+    Raises:
+      TFConfigError: naming the missing or extra roles and the fix.
+    """
+    if isinstance(cluster, TFConfig):
+        cluster = cluster.cluster
+    if strategy not in STRATEGY_KINDS:
+        raise TFConfigError(
+            f"Unknown strategy {strategy!r}. Valid: {', '.join(STRATEGY_KINDS)}."
+        )
+    if strategy == "multi_worker_mirrored":
+        if cluster.ps:
+            raise TFConfigError(
+                f"MultiWorkerMirroredStrategy has no parameter servers, but the cluster "
+                f"lists ps={list(cluster.ps)}. Remove \"ps\" from the cluster, or use the "
+                f"parameter_server strategy."
+            )
+        return
+    missing = ["a chief (the coordinator that runs the training loop)"] if not cluster.chief else []
+    missing += ["at least one worker"] if not cluster.worker else []
+    missing += ["at least one ps"] if not cluster.ps else []
+    if missing:
+        raise TFConfigError(
+            f"ParameterServerStrategy needs {', '.join(missing)}. Received a cluster "
+            f"with {cluster.sizes()}. Example: local_cluster(num_workers=2, num_ps=1, "
+            f"chief=True) or `tfdist tf-config --local --num_workers=2 --num_ps=1 --chief`."
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -607,6 +682,32 @@ def free_ports(count: int, *, host: str = "127.0.0.1") -> list[int]:
             for sock in held:
                 sock.close()
     return ports
+
+
+def check_local_ports(cluster: Cluster) -> None:
+    """Checks that every loopback address of `cluster` has a free port right now.
+
+    Call it just before starting the local tasks: a port taken since it was
+    picked (or a hand-written cluster reusing a busy port) fails here with the
+    task's name instead of as "Could not start gRPC server" in a child.
+    Non-loopback addresses are not touched.
+
+    Raises:
+      TFConfigError: naming the task, its address and the fix.
+    """
+    for task_type, task_id in cluster.tasks():
+        address = cluster.address(task_type, task_id)
+        host, port = split_address(address)
+        if not _is_loopback(host) or host.startswith("["):
+            continue
+        sock = _try_bind("127.0.0.1" if host.lower() == "localhost" else host, port)
+        if sock is None:
+            raise TFConfigError(
+                f"Port {port} of {task_type}:{task_id} ({address}) is already in use on "
+                f"this machine. Stop the process holding it, or pick free ports with "
+                f"local_cluster() / `tfdist tf-config --local`."
+            )
+        sock.close()
 
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
@@ -694,3 +795,354 @@ def hosts_cluster(hosts: str | Iterable[str], *, num_ps: int = 0, chief: bool = 
     take = lambda n: tuple(next(it) for _ in range(n))  # noqa: E731
     return Cluster(chief=take(int(bool(chief))), worker=take(num_workers),
                    ps=take(num_ps), evaluator=take(int(bool(evaluator))))
+
+
+# ---------------------------------------------------------------------------
+# SLURM
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expands a SLURM hostlist: 'node[01-03,7],gpu[1-2]x' -> ['node01', ..., 'gpu2x'].
+
+    Order is kept and nothing is deduplicated (like TensorFlow's
+    `expand_hostlist`). Zero padding follows the width of each range start,
+    and several bracket groups in one name expand to every combination.
+
+    Raises:
+      TFConfigError: on an unbalanced bracket or a malformed range.
+    """
+    if not isinstance(hostlist, str) or not hostlist.strip():
+        raise TFConfigError(f"The SLURM node list is empty. Received: {hostlist!r}.")
+    parts, depth, current = [], 0, ""
+    for char in hostlist.strip():
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            break
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    if depth != 0:
+        raise TFConfigError(
+            f"Invalid SLURM node list {hostlist!r}: unbalanced '[' ']'. Expected a list "
+            f"like 'node[01-04],gpu7'."
+        )
+    parts.append(current)
+    hosts: list[str] = []
+    for part in parts:
+        if not part:
+            raise TFConfigError(f"Invalid SLURM node list {hostlist!r}: empty entry.")
+        names = [""]
+        for literal, ranges in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", part):
+            values = [literal]
+            if ranges:
+                values = [literal + v for v in _expand_ranges(ranges, hostlist)]
+            names = [n + v for n in names for v in values]
+        hosts.extend(names)
+    return hosts
+
+
+def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
+    out = []
+    for item in ranges.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise TFConfigError(
+                f"Invalid SLURM node list {hostlist!r}: bad range {item!r}. Ranges look "
+                f"like '01-04' or '7'."
+            )
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        out.extend(str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
+    """Expands SLURM's tasks-per-node string: '2(x3),1' -> [2, 2, 2, 1]."""
+    result = []
+    for part in str(tasks_per_node).split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise TFConfigError(
+                f"Invalid SLURM tasks-per-node value {tasks_per_node!r}. Expected a list "
+                f"like '2(x3),1' (2 tasks on each of 3 nodes, then 1)."
+            )
+        result.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return result
+
+
+def _slurm_var(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    for name in names:
+        value = environ.get(name)
+        if value is not None and value.strip():
+            return name, value.strip()
+    return None
+
+
+def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 8888,
+                    num_ps: int = 0, chief: bool = False, evaluator: bool = False,
+                    rpc_layer: str | None = None) -> TFConfig:
+    """This SLURM task's TF_CONFIG, from the job step's environment.
+
+    Reads what TensorFlow's SlurmClusterResolver reads: SLURM_PROCID (this
+    task's rank), SLURM_STEP_NODELIST, SLURM_STEP_TASKS_PER_NODE and
+    SLURM_STEP_NUM_TASKS, falling back to the job-level SLURM_JOB_NODELIST /
+    SLURM_NODELIST, SLURM_TASKS_PER_NODE and SLURM_NTASKS outside a step.
+    Conventions match the resolver: the k-th task on a node listens on
+    `port + k`; ranks are given to roles in alphabetical order of the role
+    name (chief, evaluator, ps, worker), so with `num_ps=1` rank 0 is the
+    parameter server and ranks 1.. are workers.
+
+    One deliberate difference: nodes keep SLURM's order instead of being
+    sorted as strings. SLURM hands ranks out in node-list order, so sorting
+    'node9,node10' as strings would give rank 0 (on node9) node10's address.
+    For the usual zero-padded names ('node[01-10]') both orders agree.
+
+    Raises:
+      TFConfigError: when a SLURM variable is missing or inconsistent, or the
+        tasks do not fit the requested roles.
+    """
+    environ = os.environ if environ is None else environ
+    _check_count("num_ps", num_ps, 0)
+    _check_count("port", port, 1)
+    procid = _slurm_var(environ, "SLURM_PROCID")
+    nodelist = _slurm_var(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    per_node = _slurm_var(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    missing = [name for name, found in (("SLURM_PROCID", procid),
+                                        ("SLURM_STEP_NODELIST", nodelist),
+                                        ("SLURM_STEP_TASKS_PER_NODE", per_node))
+               if found is None]
+    if missing:
+        raise TFConfigError(
+            f"{', '.join(missing)} not found in the environment: not running inside a "
+            f"SLURM job step? Run the command under srun (one task per TensorFlow "
+            f"process), e.g. `srun --ntasks-per-node=1 tfdist tf-config --slurm`."
+        )
+    if not re.fullmatch(r"[0-9]+", procid[1]):
+        raise TFConfigError(f"SLURM_PROCID must be an integer >= 0. Received: {procid[1]!r}.")
+    rank = int(procid[1])
+    hosts = expand_hostlist(nodelist[1])
+    counts = expand_tasks_per_node(per_node[1])
+    if len(counts) != len(hosts):
+        raise TFConfigError(
+            f"{per_node[0]}={per_node[1]!r} gives tasks for {len(counts)} node(s) but "
+            f"{nodelist[0]}={nodelist[1]!r} lists {len(hosts)}. They must describe the "
+            f"same nodes."
+        )
+    if len(set(hosts)) != len(hosts):
+        raise TFConfigError(f"{nodelist[0]}={nodelist[1]!r} lists a node twice.")
+    num_tasks = sum(counts)
+    ntasks = _slurm_var(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if ntasks is not None and ntasks[1] != str(num_tasks):
+        raise TFConfigError(
+            f"{ntasks[0]}={ntasks[1]} but {per_node[0]}={per_node[1]!r} adds up to "
+            f"{num_tasks} tasks. They must agree."
+        )
+    if rank >= num_tasks:
+        raise TFConfigError(
+            f"SLURM_PROCID={rank} is out of range for a step of {num_tasks} task(s)."
+        )
+    if port + max(counts) - 1 > 65535:
+        raise TFConfigError(f"port={port} + {max(counts)} tasks per node exceeds 65535.")
+    addresses = [f"{host}:{port + k}" for host, n in zip(hosts, counts) for k in range(n)]
+    roles = {"chief": int(bool(chief)), "evaluator": int(bool(evaluator)), "ps": num_ps}
+    roles["worker"] = num_tasks - sum(roles.values())
+    if roles["worker"] < 1:
+        raise TFConfigError(
+            f"The SLURM step has {num_tasks} task(s), too few for chief={bool(chief)}, "
+            f"evaluator={bool(evaluator)}, num_ps={num_ps} and at least one worker. "
+            f"Ask SLURM for more tasks (--ntasks) or for fewer roles."
+        )
+    assigned: dict[str, tuple[str, ...]] = {}
+    start = 0
+    task_type, task_id = "worker", 0
+    for role in sorted(roles):
+        assigned[role] = tuple(addresses[start:start + roles[role]])
+        if start <= rank < start + roles[role]:
+            task_type, task_id = role, rank - start
+        start += roles[role]
+    node = environ.get("SLURMD_NODENAME")
+    own_host = split_address(assigned[task_type][task_id])[0]
+    if node and node != own_host and node.split(".")[0] != own_host.split(".")[0]:
+        raise TFConfigError(
+            f"SLURM rank {rank} runs on {node!r} but the node list puts it on "
+            f"{own_host!r}: tasks are not distributed in blocks. Run srun with "
+            f"--distribution=block."
+        )
+    return TFConfig(cluster=Cluster(**assigned), task_type=task_type, task_id=task_id,
+                    rpc_layer=rpc_layer)
+
+
+# ---------------------------------------------------------------------------
+# Kubernetes (Kubeflow training operator)
+
+_RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def kubernetes_tfjob(*, name: str, image: str, command: Sequence[str], num_workers: int,
+                     num_ps: int = 0, chief: bool = False, evaluator: bool = False,
+                     port: int = 2222, namespace: str | None = None,
+                     restart_policy: str = "OnFailure",
+                     env: Mapping[str, str] | None = None,
+                     resources: Mapping[str, Any] | None = None,
+                     clean_pod_policy: str | None = "None") -> dict[str, Any]:
+    """A TFJob manifest for Kubeflow's training operator (kubeflow.org/v1).
+
+    The operator creates one pod per replica and sets each pod's TF_CONFIG
+    itself (addresses `<name>-<role>-<i>.<namespace>.svc:<port>`, evaluator
+    excluded from the cluster), so the command runs unchanged.
+
+    Args:
+      name: the TFJob name (a DNS-1035 label: lowercase letters, digits, '-').
+      image: the container image holding TensorFlow and the training script.
+      command: the container command, e.g. ["python", "train.py"].
+      num_workers: Worker replicas (>= 1); the chief is extra.
+      num_ps, chief, evaluator: the PS / Chief / Evaluator replica specs.
+      port: the container port named `tfjob-port` (the operator's default 2222).
+      namespace: metadata.namespace (omitted when None).
+      restart_policy: Always, OnFailure, Never or ExitCode.
+      env: extra environment variables for every container.
+      resources: container resource limits, e.g. {"cpu": 4, "nvidia.com/gpu": 1}.
+      clean_pod_policy: spec.runPolicy.cleanPodPolicy (None to omit it).
+
+    Returns:
+      The manifest as a dict; `to_yaml(manifest)` gives `kubectl apply -f` input.
+    """
+    if not isinstance(name, str) or not _DNS1035.match(name):
+        raise TFConfigError(
+            f"name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
+            f"with a letter, at most 63 characters). Received: name={name!r}."
+        )
+    if not isinstance(image, str) or not image or any(c.isspace() for c in image):
+        raise TFConfigError(f"image must be a container image name. Received: image={image!r}.")
+    if isinstance(command, str):
+        command = command.split()
+    command = list(command)
+    if not command or not all(isinstance(c, str) and c for c in command):
+        raise TFConfigError(
+            f"command must be a non-empty list of strings, e.g. ['python', 'train.py']. "
+            f"Received: command={command!r}."
+        )
+    _check_count("num_workers", num_workers, 1)
+    _check_count("num_ps", num_ps, 0)
+    _check_count("port", port, 1)
+    if port > 65535:
+        raise TFConfigError(f"port must be <= 65535. Received: port={port}")
+    if restart_policy not in _RESTART_POLICIES:
+        raise TFConfigError(
+            f"restart_policy must be one of {', '.join(_RESTART_POLICIES)}. "
+            f"Received: restart_policy={restart_policy!r}."
+        )
+    if namespace is not None and not _DNS1035.match(str(namespace)):
+        raise TFConfigError(f"namespace must be a DNS label. Received: namespace={namespace!r}.")
+    container: dict[str, Any] = {
+        "name": "tensorflow",  # the operator looks for this container name
+        "image": image,
+        "command": command,
+        "ports": [{"name": "tfjob-port", "containerPort": port}],
+    }
+    if env:
+        container["env"] = [{"name": str(k), "value": str(v)} for k, v in env.items()]
+    if resources:
+        container["resources"] = {"limits": {str(k): v for k, v in resources.items()}}
+    replicas = {"Chief": int(bool(chief)), "Worker": num_workers, "PS": num_ps,
+                "Evaluator": int(bool(evaluator))}
+    specs = {
+        kind: {
+            "replicas": n,
+            "restartPolicy": restart_policy,
+            "template": {"spec": {"containers": [container]}},
+        }
+        for kind, n in replicas.items() if n
+    }
+    metadata: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        metadata["namespace"] = namespace
+    spec: dict[str, Any] = {}
+    if clean_pod_policy is not None:
+        spec["runPolicy"] = {"cleanPodPolicy": clean_pod_policy}
+    spec["tfReplicaSpecs"] = specs
+    return {"apiVersion": "kubeflow.org/v1", "kind": "TFJob", "metadata": metadata,
+            "spec": spec}
+
+
+def kubernetes_cluster(*, name: str, namespace: str = "default", num_workers: int,
+                       num_ps: int = 0, chief: bool = False, port: int = 2222,
+                       cluster_domain: str | None = None) -> Cluster:
+    """The cluster the training operator writes into each pod's TF_CONFIG."""
+    suffix = f".{namespace}.svc" + (f".{cluster_domain}" if cluster_domain else "")
+    make = lambda role, n: tuple(f"{name}-{role}-{i}{suffix}:{port}"  # noqa: E731
+                                 for i in range(n))
+    return Cluster(chief=make("chief", int(bool(chief))), worker=make("worker", num_workers),
+                   ps=make("ps", num_ps))
+
+
+# ---------------------------------------------------------------------------
+# A small YAML emitter (block style) for manifests: dicts, lists, str, int,
+# float, bool, None. Strings that YAML could read as anything else are quoted.
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_./:+=@-]*$")
+_YAML_SPECIAL = re.compile(
+    r"^(?:~|null|true|false|yes|no|on|off|y|n|[-+]?(?:\.inf|\.nan)"
+    r"|[-+]?[0-9][0-9_.:eE+-]*|0x[0-9a-fA-F]+|0o[0-7]+)$",
+    re.IGNORECASE,
+)
+
+
+def _yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    text = str(value)
+    if _PLAIN.match(text) and not _YAML_SPECIAL.match(text) and not text.endswith(":"):
+        return text
+    return json.dumps(text)  # a JSON string is a valid double-quoted YAML scalar
+
+
+def _yaml_lines(value: Any, indent: int) -> list[str]:
+    pad = " " * indent
+    if isinstance(value, Mapping):
+        if not value:
+            return [pad + "{}"]
+        lines = []
+        for key, item in value.items():
+            head = f"{pad}{_yaml_scalar(str(key))}:"
+            if isinstance(item, (Mapping, list, tuple)) and item:
+                lines.append(head)
+                lines.extend(_yaml_lines(item, indent + 2))
+            else:
+                lines.append(f"{head} {_yaml_inline(item)}")
+        return lines
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return [pad + "[]"]
+        lines = []
+        for item in value:
+            if isinstance(item, (Mapping, list, tuple)) and item:
+                sub = _yaml_lines(item, indent + 2)
+                lines.append(f"{pad}- {sub[0].lstrip()}")
+                lines.extend(sub[1:])
+            else:
+                lines.append(f"{pad}- {_yaml_inline(item)}")
+        return lines
+    return [pad + _yaml_scalar(value)]
+
+
+def _yaml_inline(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{}"
+    if isinstance(value, (list, tuple)):
+        return "[]"
+    return _yaml_scalar(value)
+
+
+def to_yaml(value: Any) -> str:
+    """Block-style YAML for a manifest made of dicts, lists and scalars."""
+    return "\n".join(_yaml_lines(value, 0)) + "\n"

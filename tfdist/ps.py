@@ -218,7 +218,7 @@ def make_strategy(options: config_lib.ParameterServerOptions):
                 f"TF_CONFIG describes a cluster without parameter servers ({cluster.sizes()}). "
                 "The parameter_server preset needs at least one 'ps' task: add "
                 "\"ps\": [\"host:port\"] to the cluster (tfdist launch --num_ps=1), or use "
-                "the multi_worker preset for synchronous training without ps.")
+                "the multi_worker_mirrored preset for synchronous training without ps.")
         if not cluster.worker:
             raise ValueError(
                 f"TF_CONFIG describes a cluster without workers ({cluster.sizes()}). Add "

@@ -114,7 +114,7 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
     else:
         opts = make_options(preset, **options)
     strategy = get_preset(opts.preset).factory(opts)
-    logger.info("tfdist: preset %s -> %s", opts.preset, describe(strategy))
+    logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 
 
@@ -125,13 +125,21 @@ def describe(strategy, global_batch_size: int | None = None) -> str:
       ValueError: if `global_batch_size` does not divide over the replicas.
     """
     replicas = strategy.num_replicas_in_sync
-    devices = getattr(strategy.extended, "worker_devices", ())
+    devices = replica_devices(strategy)
     text = (f"{type(strategy).__name__}: {replicas} replica(s) on "
             f"{', '.join(devices) or 'the default device'}")
     if global_batch_size is not None:
         per_replica = config_lib.per_replica_batch_size(global_batch_size, replicas)
         text += f"; global batch {global_batch_size} = {replicas} x {per_replica} per replica"
     return text
+
+
+def replica_devices(strategy) -> tuple[str, ...]:
+    """The devices this process's replicas run on; () for the default strategy."""
+    try:
+        return tuple(strategy.extended.worker_devices)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return ()
 
 
 # --- presets -----------------------------------------------------------------
@@ -216,6 +224,22 @@ def _cross_device_ops(tf, name: str, devices: tuple[str, ...]):
             collective_keys=keys,
         )
     raise AssertionError(name)  # config validation makes this unreachable
+
+
+# --- multi_worker_mirrored ------------------------------------------------------
+
+
+@register_preset(
+    "multi_worker_mirrored",
+    options=config_lib.MultiWorkerMirroredOptions,
+    summary="Synchronous data parallelism over several processes/machines "
+            "(MultiWorkerMirroredStrategy, ring all-reduce); Keras 3 fit fixed.",
+    needs="TF_CONFIG with chief/worker tasks (set by `tfdist launch`); none for 1 worker",
+)
+def _multi_worker_mirrored(options: config_lib.MultiWorkerMirroredOptions):
+    from tfdist import multi_worker
+
+    return multi_worker.build_strategy(options)
 
 
 # --- parameter_server (tfdist/ps.py) --------------------------------------------
