@@ -155,7 +155,7 @@ def serve_forever(tf_config: cluster_lib.TFConfig) -> None:
         cluster_spec, job_name=tf_config.task_type, task_index=tf_config.task_id,
         protocol=tf_config.rpc_layer or "grpc", config=_server_config(tf), start=True)
     print(f"tfdist: {tf_config.task_type}:{tf_config.task_id} serving at "
-          f"{tf_config.address} (stop with SIGTERM)", file=sys.stderr, flush=True)
+          f"{tf_config.address} pid={os.getpid()} (stop with SIGTERM)", file=sys.stderr, flush=True)
 
     def stop(signum, frame):
         # Exit without running TensorFlow's server teardown, which can block

@@ -1,0 +1,108 @@
+"""Training script for tests/test_ps_failures.py (every task runs it).
+
+Worker and ps tasks (TF_CONFIG) serve inside `make_strategy` and never return.
+The chief trains with plain `model.fit` and prints JSON lines:
+
+  {"event": "epoch", "epoch": e, "iterations": n}   after every epoch
+  {"event": "done", "iterations": n, "scheduled": s, "resumed_from": k}
+
+Modes (argv[1]):
+  worker_kill: after epoch 0 it waits for the test to kill and restart
+    worker:1 (file <dir>/restarted), then keeps training epochs until the
+    restarted worker's log (<dir>/worker1.log) shows it ran steps, or 60 s.
+  resume: keeps model + optimizer state in <dir>/ckpt.weights.h5 and the
+    finished epoch count in <dir>/epoch.txt, and resumes from them (what a
+    restarted job does after losing a ps).
+"""
+
+import json
+import os
+import sys
+import time
+
+import tfdist
+
+MARKER = "tfdist-test-step-ran"
+
+
+def main(mode: str, workdir: str) -> None:
+    strategy = tfdist.make_strategy("parameter_server", connect_timeout=60)
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 8)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def dataset_fn(input_context):
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    class Marked(keras.Sequential):
+        def train_step(self, data):
+            tf.print(MARKER, output_stream=sys.stderr)  # runs (and prints) on the worker
+            return super().train_step(data)
+
+    with strategy.scope():
+        model = Marked([keras.Input((8,)), keras.layers.Dense(32), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+
+    steps = 50
+    emit = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
+    if mode == "worker_kill":
+        scheduled = 0
+        model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
+        scheduled += steps
+        emit(event="epoch", epoch=0, iterations=int(model.optimizer.iterations.numpy()))
+        restarted = os.path.join(workdir, "restarted")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(restarted) and time.monotonic() < deadline:
+            # Keep training while worker:1 is down: the survivors take the steps.
+            model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
+            scheduled += steps
+        log = os.path.join(workdir, "worker1.log")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
+            scheduled += steps
+            with open(log) as f:
+                if MARKER in f.read():
+                    break
+        emit(event="done", iterations=int(model.optimizer.iterations.numpy()),
+             scheduled=scheduled, resumed_from=None)
+        return
+
+    ckpt = os.path.join(workdir, "ckpt.weights.h5")
+    epoch_file = os.path.join(workdir, "epoch.txt")
+    start = 0
+    if os.path.exists(epoch_file):
+        with open(epoch_file) as f:
+            start = int(f.read())
+        with strategy.scope():  # optimizer variables live on the ps
+            model.optimizer.build(model.trainable_variables)
+        model.load_weights(ckpt)
+
+    class Save(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            model.save_weights(ckpt)
+            with open(epoch_file + ".tmp", "w") as f:
+                f.write(str(epoch + 1))
+            os.replace(epoch_file + ".tmp", epoch_file)
+            emit(event="epoch", epoch=epoch,
+                 iterations=int(model.optimizer.iterations.numpy()))
+            time.sleep(0.5)  # gives the test time to kill the ps mid-job
+
+    epochs = 6
+    model.fit(dataset_fn, epochs=epochs, initial_epoch=start, steps_per_epoch=steps,
+              verbose=0, callbacks=[Save()])
+    emit(event="done", iterations=int(model.optimizer.iterations.numpy()),
+         scheduled=epochs * steps, resumed_from=start)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":  # a worker/ps task: make_strategy serves until killed
+        tfdist.make_strategy("parameter_server")
+    else:
+        main(sys.argv[1], sys.argv[2])
