@@ -72,7 +72,19 @@ def main(mode: str, workdir: str) -> None:
                     break
         emit(event="done", iterations=int(model.optimizer.iterations.numpy()),
              scheduled=scheduled, resumed_from=None)
-        return
+        # Then the test kills the ps: the next fit must fail with a clear error.
+        ps_killed = os.path.join(workdir, "ps_killed")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ps_killed) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = time.monotonic()
+        try:
+            model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
+            emit(event="ps_error", error=None, seconds=time.monotonic() - started)
+        except tfdist.ParameterServerError as e:
+            emit(event="ps_error", error=str(e), seconds=time.monotonic() - started)
+        sys.stdout.flush()
+        os._exit(0)  # skip TensorFlow's teardown against a dead ps
 
     ckpt = os.path.join(workdir, "ckpt.weights.h5")
     epoch_file = os.path.join(workdir, "epoch.txt")

@@ -52,10 +52,9 @@ def _next_event(lines: queue.Queue, deadline: float, keep: list) -> dict:
             continue
         if line is None:
             raise AssertionError("the chief exited early; output:\n" + "".join(keep[-60:]))
-        if line.lstrip("[chief:0] ").startswith("{"):
-            return json.loads(line[line.index("{"):])
-        if line.startswith("[chief:0] {"):
-            return json.loads(line[line.index("{"):])
+        text = line.removeprefix("[chief:0] ")  # when run under the launcher
+        if text.startswith("{"):
+            return json.loads(text)
 
 
 def _stop(procs):
@@ -105,13 +104,22 @@ def test_killed_worker_training_continues_and_restarted_worker_rejoins(tmp_path)
 
         done = _next_event(lines, deadline, keep)
         assert done["event"] == "done", done
-        chief.wait(timeout=30)
-        assert chief.returncode == 0, "".join(keep[-40:])
         # Every scheduled step ran once: the killed worker's in-flight steps were
         # re-run on the survivor and nothing was lost.
         assert done["iterations"] == done["scheduled"], done
         assert "tfdist-test-step-ran" in (tmp_path / "worker1.log").read_text(), (
             "the restarted worker:1 never ran a step")
+
+        # Losing the ps is fatal for this process: a clear error, in bounded time.
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        (tmp_path / "ps_killed").write_text("1")
+        ps_error = _next_event(lines, deadline, keep)
+        assert ps_error["event"] == "ps_error", ps_error
+        assert ps_error["error"] and "Lost a parameter server" in ps_error["error"], ps_error
+        assert "--max_restarts" in ps_error["error"]
+        chief.wait(timeout=30)
+        assert chief.returncode == 0, "".join(keep[-40:])
     finally:
         _stop(procs)
 
@@ -141,8 +149,11 @@ def test_lost_ps_is_a_clear_error_and_launcher_restart_resumes(tmp_path):
                 done = event
         proc.wait(timeout=60)
         text = "".join(keep)
+        (tmp_path / "launch.log").write_text(text)
         assert proc.returncode == 0, text[-3000:]
-        assert "Lost a parameter server" in text, text[-3000:]
+        # The launcher sees the dead ps first, stops the group, restarts it.
+        assert "ps:0 was killed by SIGKILL" in text, text[-3000:]
+        assert "attempt 2" in text, text[-3000:]
         assert done["resumed_from"] >= 2, done  # resumed after the last saved epoch
         assert done["iterations"] == done["scheduled"] == 6 * STEPS_PER_EPOCH, done
     finally:
