@@ -133,15 +133,18 @@ def _measure(num_workers: int, quick: bool) -> dict:
 
     coordinator.schedule(trivial)
     coordinator.join()
-    per_step = []
+    per_step, schedule_only = [], []
     count = 200 if quick else 1000
     for _ in range(3 if quick else 5):
         start = time.perf_counter()
         for _ in range(count):
             coordinator.schedule(trivial)
+        scheduled = time.perf_counter()
         coordinator.join()
         per_step.append((time.perf_counter() - start) / count)
+        schedule_only.append((scheduled - start) / count)
     result["dispatch_ms"] = 1000 * statistics.median(per_step)
+    result["schedule_call_ms"] = 1000 * statistics.median(schedule_only)
     return result
 
 
@@ -177,7 +180,13 @@ def run(quick: bool) -> list[dict]:
             two[f"steps_per_sec_{opt}"] / one[f"steps_per_sec_{opt}"], "x",
             "2 workers vs 1, same run")
     row("ps_dispatch_overhead_ms", one["dispatch_ms"], "ms/step",
-        "ClusterCoordinator.schedule of a trivial tf.function, then join(); wall / steps",
+        "1 worker: schedule M trivial tf.function steps, then join(); wall / M (a full "
+        "round trip coordinator -> worker -> coordinator per step)",
+        target=DISPATCH_TARGET_MS)
+    row("ps_dispatch_overhead_2workers_ms", two["dispatch_ms"], "ms/step",
+        "same with 2 workers taking steps in parallel", target=DISPATCH_TARGET_MS)
+    row("ps_schedule_call_ms", one["schedule_call_ms"], "ms/step",
+        "coordinator time inside schedule() alone (queueing the step), 1 worker",
         target=DISPATCH_TARGET_MS)
     k = one["grad_bytes"]
     n = 2
