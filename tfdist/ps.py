@@ -356,12 +356,27 @@ class _BatchLogs:
         self._model = model
         self._logs: dict = {}
         self._read_at = -float("inf")
+        self._first = None
+
+    def scheduled(self, remote_value) -> None:
+        """Notes a scheduled step; logs stay empty until the first one finished."""
+        if self._first is None:
+            self._first = remote_value
+
+    def reset(self) -> None:
+        self._logs, self._first, self._read_at = {}, None, -float("inf")
+
+    def _first_done(self) -> bool:
+        from tensorflow.python.distribute.coordinator import remote_value
+
+        status = getattr(self._first, "_status", remote_value.RemoteValueStatus.READY)
+        return self._first is not None and status is not remote_value.RemoteValueStatus.NOT_READY
 
     def get(self) -> dict:
         from keras.src.utils.python_utils import pythonify_logs
 
         now = time.monotonic()
-        if now - self._read_at >= BATCH_LOG_INTERVAL:
+        if now - self._read_at >= BATCH_LOG_INTERVAL and self._first_done():
             self._logs = pythonify_logs(self._model.get_metrics_result())
             self._read_at = now
         return dict(self._logs)
@@ -441,14 +456,18 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     model.stop_training = False
     batch_logs = _BatchLogs(model)
     callbacks.on_train_begin()
+    # keras.callbacks.BackupAndRestore sets _initial_epoch in on_train_begin.
+    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
     training_logs = None
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
+        batch_logs.reset()
         callbacks.on_epoch_begin(epoch)
         last = None
         for step in range(steps_per_epoch):
             callbacks.on_train_batch_begin(step)
             last = coordinator.schedule(train_step, args=(iterator,))
+            batch_logs.scheduled(last)
             callbacks.on_train_batch_end(step, batch_logs.get())
             if model.stop_training:
                 break
@@ -526,6 +545,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
     for step in range(steps):
         callbacks.on_test_batch_begin(step)
         last = coordinator.schedule(test_step, args=(iterator,))
+        batch_logs.scheduled(last)
         callbacks.on_test_batch_end(step, batch_logs.get())
         if model.stop_evaluating:
             break
