@@ -50,7 +50,9 @@ def main(mode: str, workdir: str) -> None:
         model.compile(keras.optimizers.Adam(0.01), "mse")
 
     steps = 50
-    emit = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
+    born = time.monotonic()
+    emit = lambda **kw: print(json.dumps({**kw, "t": round(time.monotonic() - born, 2)}),  # noqa: E731
+                              flush=True)
     if mode == "worker_kill":
         scheduled = 0
         model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)

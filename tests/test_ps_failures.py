@@ -120,6 +120,7 @@ def test_killed_worker_training_continues_and_restarted_worker_rejoins(tmp_path)
         assert "--max_restarts" in ps_error["error"]
         chief.wait(timeout=30)
         assert chief.returncode == 0, "".join(keep[-40:])
+        (tmp_path / "chief.log").write_text("".join(keep))
     finally:
         _stop(procs)
 
