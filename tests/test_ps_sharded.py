@@ -59,3 +59,24 @@ def test_gradient_of_sharded_keras_variable_is_stitched():
         grads.append(tf.convert_to_tensor(tape.gradient(loss, [var])[0]))
     tf.debugging.assert_equal(grads[0], grads[1])
     assert ps_variables.is_sharded(sharded) and not ps_variables.is_sharded(plain)
+
+
+def test_upstream_tape_still_fails_on_sharded_keras_variables():
+    """Fails once Keras/TF differentiate sharded Keras variables themselves."""
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+    from tensorflow.python.eager import backprop
+
+    import keras
+    from tfdist.compat import ps_variables
+
+    ps_variables.install()
+    upstream = backprop.GradientTape.gradient.__wrapped__
+    var = keras.Variable(initializer=tf.zeros((4, 2)))
+    var._value = ShardedVariable([tf.Variable(tf.ones((2, 2))), tf.Variable(tf.ones((2, 2)))])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.convert_to_tensor(var.value))
+    with pytest.raises(AttributeError, match="handle"):
+        upstream(tape, loss, [var])
