@@ -104,9 +104,10 @@ def test_killed_worker_training_continues_and_restarted_worker_rejoins(tmp_path)
 
         done = _next_event(lines, deadline, keep)
         assert done["event"] == "done", done
-        # Every scheduled step ran once: the killed worker's in-flight steps were
-        # re-run on the survivor and nothing was lost.
-        assert done["iterations"] == done["scheduled"], done
+        # No step was lost: the killed worker's in-flight step was re-run on the
+        # survivor. Steps run at least once, so if worker:1 died after applying
+        # its update, that one step counts twice (seen 0 times in 4 runs).
+        assert done["scheduled"] <= done["iterations"] <= done["scheduled"] + 1, done
         assert "tfdist-test-step-ran" in (tmp_path / "worker1.log").read_text(), (
             "the restarted worker:1 never ran a step")
 
