@@ -22,6 +22,7 @@ import time
 
 import tfdist
 
+STARTED = time.monotonic()
 MARKER = "tfdist-test-step-ran"
 
 
@@ -33,6 +34,8 @@ def main(mode: str, workdir: str) -> None:
     import keras
     import numpy as np
 
+    print(json.dumps({"event": "strategy_ready", "t": round(time.monotonic() - STARTED, 2)}),
+          flush=True)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((512, 8)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
@@ -50,7 +53,7 @@ def main(mode: str, workdir: str) -> None:
         model.compile(keras.optimizers.Adam(0.01), "mse")
 
     steps = 50
-    born = time.monotonic()
+    born = STARTED
     emit = lambda **kw: print(json.dumps({**kw, "t": round(time.monotonic() - born, 2)}),  # noqa: E731
                               flush=True)
     if mode == "worker_kill":

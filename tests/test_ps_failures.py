@@ -94,6 +94,8 @@ def test_killed_worker_training_continues_and_restarted_worker_rejoins(tmp_path)
         threading.Thread(target=_reader, args=(chief.stdout, lines, keep), daemon=True).start()
         deadline = time.monotonic() + 200
         first = _next_event(lines, deadline, keep)
+        if first["event"] == "strategy_ready":
+            first = _next_event(lines, deadline, keep)
         assert first["event"] == "epoch" and first["iterations"] == STEPS_PER_EPOCH
 
         worker1.send_signal(signal.SIGKILL)  # the chief is training more epochs now
@@ -140,7 +142,7 @@ def test_lost_ps_is_a_clear_error_and_launcher_restart_resumes(tmp_path):
         ps_pid = None
         while ps_pid is None:
             event = _next_event(lines, deadline, keep)
-            if event["event"] == "epoch" and event["epoch"] >= 1:
+            if event["event"] == "epoch" and event["epoch"] >= 1 and ps_pid is None:
                 ps_pid = next(int(line.split("pid=")[1].split()[0]) for line in keep
                               if line.startswith("[ps:0]") and "pid=" in line)
         os.kill(ps_pid, signal.SIGKILL)

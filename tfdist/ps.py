@@ -197,10 +197,6 @@ def make_strategy(options: config_lib.ParameterServerOptions):
       ParameterServerError: a worker or ps unreachable within connect_timeout.
     """
     tf = import_tensorflow()
-    from tfdist.compat import ps_fit, ps_variables
-
-    ps_variables.install()
-    ps_fit.install()
     if options.is_local:
         local = local_cluster(options.local_workers, options.local_ps)
         resolver, num_ps = local.resolver, options.local_ps
@@ -239,6 +235,11 @@ def make_strategy(options: config_lib.ParameterServerOptions):
             tf.train.ClusterSpec(_training_cluster(cluster)), task_type="chief",
             task_id=0, rpc_layer=tf_config.rpc_layer or "grpc")
         num_ps = cluster.num_ps
+    # Only the coordinator needs the Keras fixes (servers never import Keras).
+    from tfdist.compat import ps_fit, ps_variables
+
+    ps_variables.install()
+    ps_fit.install()
     return tf.distribute.ParameterServerStrategy(
         resolver, variable_partitioner=_partitioner(tf, options, num_ps))
 
