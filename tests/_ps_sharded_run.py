@@ -7,6 +7,7 @@ steps run one after another, so both runs must agree. Prints one JSON line.
 """
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -58,7 +59,19 @@ def main(steps: int) -> None:
     for v in sharded.weights + sharded.optimizer.variables:
         if isinstance(v.value, ShardedVariable):
             placement[v.path] = [s.device.split("/device")[0] for s in v.value.variables]
+    # Saving reads the shards; loading into a fresh sharded model splits them.
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "sharded.weights.h5")
+    sharded.save_weights(path)
+    with strategy.scope():
+        reloaded = build(keras)
+        reloaded.optimizer.build(reloaded.trainable_variables)
+    reloaded.load_weights(path)
+    roundtrip = max(float(np.max(np.abs(a - b)))
+                    for a, b in zip(sharded.get_weights(), reloaded.get_weights()))
     print(json.dumps({
+        "save_roundtrip_diff": roundtrip,
         "max_abs_diff": max(diffs),
         "min_change": min(moved),
         "iterations": int(sharded.optimizer.iterations.numpy()),

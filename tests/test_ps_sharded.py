@@ -26,6 +26,7 @@ def test_sharded_training_matches_unsharded():
     assert result["iterations"] == 40
     assert result["min_change"] > 1e-4  # every weight trained
     assert result["max_abs_diff"] <= 1e-5
+    assert result["save_roundtrip_diff"] == 0.0  # save_weights/load_weights of shards
     placement = result["placement"]
     # Embedding and Dense kernels are split over both ps tasks, and so are the
     # Adam slots created for them.

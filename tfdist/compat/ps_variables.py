@@ -24,6 +24,9 @@ race in variable update under PS strategy"). Verified on Keras 3.15 / TF 2.21.
      sharded Keras variable among the sources and stitches the shard
      gradients into one full-shape gradient (dense, or IndexedSlices for
      embedding lookups), so custom `train_step`s keep working unchanged;
+   - `np.asarray(variable)` (what `model.save` uses) reads the concatenated
+     shards instead of failing ("'ShardedVariable' object has no attribute
+     '__array__'");
    - the TF optimizer applies its update step to the ShardedVariable
      directly (its `assign*`/`scatter_*` methods split the update per shard,
      each one atomic on its own ps), and creates optimizer slots for a
@@ -208,6 +211,20 @@ def _patched_apply_weight_decay(original):
     return _apply_weight_decay
 
 
+def _patched_array(original):
+    @functools.wraps(original)
+    def __array__(self, dtype=None, *args, **kwargs):
+        if not is_sharded(self):
+            return original(self, dtype, *args, **kwargs)
+        import numpy as np
+
+        # ShardedVariable has numpy() (the concatenated shards), no __array__.
+        return np.asarray(self._value.numpy(), dtype=dtype)
+
+    __array__._tfdist_patched = True
+    return __array__
+
+
 def install() -> None:
     """Installs both fixes (idempotent)."""
     global _installed
@@ -234,6 +251,8 @@ def install() -> None:
         core.Variable.assign_add = _atomic_update(core.Variable.assign_add, "assign_add")
         core.Variable.assign_sub = _atomic_update(core.Variable.assign_sub, "assign_sub")
     backprop.GradientTape.gradient = _patched_gradient(backprop.GradientTape.gradient)
+    # model.save / save_weights convert variables with np.asarray.
+    core.Variable.__array__ = _patched_array(core.Variable.__array__)
     cls.add_variable_from_reference = _patched_add_variable_from_reference(
         cls.add_variable_from_reference)
     cls._distributed_tf_update_step = _patched_distributed_update_step(
