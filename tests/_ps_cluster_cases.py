@@ -8,6 +8,7 @@ TensorFlow servers cannot be stopped, so every case reuses it.
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -92,6 +93,8 @@ def test_fit_with_dataset_fn_and_callbacks(strategy, data, tmp_path):
     assert {"train", "validation"} <= set(os.listdir(tmp_path / "tb"))
     # The checkpoint holds the trained weights (read from the ps).
     restored = _model(strategy)
+    with strategy.scope():
+        restored.optimizer.build(restored.trainable_variables)
     restored.load_weights(str(tmp_path / "ckpt" / "e3.weights.h5"))
     for a, b in zip(model.get_weights(), restored.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -110,14 +113,19 @@ def test_counters_are_exact_under_asynchronous_workers(strategy, data):
     assert np.isfinite(history.history["loss"][0])
 
 
-def test_fit_with_a_dataset_and_evaluate(strategy, data):
+def test_fit_with_a_dataset_and_evaluate(strategy, data, capsys):
     import tensorflow as tf
 
     x, y = data
     model = _model(strategy)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(GLOBAL_BATCH)
-    model.fit(dataset, epochs=2, steps_per_epoch=60, verbose=0)
+    history = model.fit(dataset, epochs=2, steps_per_epoch=60, verbose=2)
     assert int(model.optimizer.iterations.numpy()) == 120
+    # The progress bar prints the epoch's exact logs, as History records them.
+    out = capsys.readouterr().out
+    assert "Epoch 2/2" in out and "60/60" in out, out
+    assert re.search(r"60/60 - .* - loss: \d", out), out
+    assert len(history.history["loss"]) == 2
     # Without steps, a finite dataset is evaluated once, exactly, on the coordinator.
     finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
     exact = model.evaluate(finite, verbose=0, return_dict=True)
