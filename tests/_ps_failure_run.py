@@ -10,9 +10,8 @@ Modes (argv[1]):
   worker_kill: after epoch 0 it waits for the test to kill and restart
     worker:1 (file <dir>/restarted), then keeps training epochs until the
     restarted worker's log (<dir>/worker1.log) shows it ran steps, or 60 s.
-  resume: keeps model + optimizer state in <dir>/ckpt.weights.h5 and the
-    finished epoch count in <dir>/epoch.txt, and resumes from them (what a
-    restarted job does after losing a ps).
+  resume: trains 6 epochs with keras.callbacks.BackupAndRestore(<dir>/backup),
+    so a restarted job (after losing a ps) resumes from the last epoch.
 """
 
 import json
@@ -91,31 +90,25 @@ def main(mode: str, workdir: str) -> None:
         sys.stdout.flush()
         os._exit(0)  # skip TensorFlow's teardown against a dead ps
 
-    ckpt = os.path.join(workdir, "ckpt.weights.h5")
-    epoch_file = os.path.join(workdir, "epoch.txt")
-    start = 0
-    if os.path.exists(epoch_file):
-        with open(epoch_file) as f:
-            start = int(f.read())
-        with strategy.scope():  # optimizer variables live on the ps
-            model.optimizer.build(model.trainable_variables)
-        model.load_weights(ckpt)
+    class Report(keras.callbacks.Callback):
+        """Runs after BackupAndRestore: its backup is written when we print."""
 
-    class Save(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.resumed_from = getattr(model, "_initial_epoch", None) or 0
+
         def on_epoch_end(self, epoch, logs=None):
-            model.save_weights(ckpt)
-            with open(epoch_file + ".tmp", "w") as f:
-                f.write(str(epoch + 1))
-            os.replace(epoch_file + ".tmp", epoch_file)
             emit(event="epoch", epoch=epoch,
                  iterations=int(model.optimizer.iterations.numpy()))
             time.sleep(0.5)  # gives the test time to kill the ps mid-job
 
+    report = Report()
+    # Keras's own BackupAndRestore: model + optimizer state and the epoch.
+    backup = keras.callbacks.BackupAndRestore(os.path.join(workdir, "backup"))
     epochs = 6
-    model.fit(dataset_fn, epochs=epochs, initial_epoch=start, steps_per_epoch=steps,
-              verbose=0, callbacks=[Save()])
+    model.fit(dataset_fn, epochs=epochs, steps_per_epoch=steps, verbose=0,
+              callbacks=[backup, report])
     emit(event="done", iterations=int(model.optimizer.iterations.numpy()),
-         scheduled=epochs * steps, resumed_from=start)
+         scheduled=epochs * steps, resumed_from=report.resumed_from)
 
 
 if __name__ == "__main__":
