@@ -68,6 +68,9 @@ _EXPORTS = {
     # notebooks
     "notebook_launcher": "tfdist.notebook",
     "NotebookLaunchError": "tfdist.notebook",
+    # parameter-server training
+    "ParameterServerOptions": "tfdist.config",
+    "ParameterServerError": "tfdist.ps",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
