@@ -125,6 +125,16 @@ def describe(strategy, global_batch_size: int | None = None) -> str:
       ValueError: if `global_batch_size` does not divide over the replicas.
     """
     replicas = strategy.num_replicas_in_sync
+    resolver = getattr(strategy, "_cluster_resolver", None)
+    jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if "ps" in jobs:
+        # Asynchronous: each worker step uses the whole global batch.
+        text = (f"{type(strategy).__name__}: {len(jobs.get('worker', []))} worker(s), "
+                f"{len(jobs['ps'])} ps, asynchronous; coordinator "
+                f"{'chief' if 'chief' in jobs else 'in this process'}")
+        if global_batch_size is not None:
+            text += f"; batch {global_batch_size} per worker step"
+        return text
     devices = replica_devices(strategy)
     text = (f"{type(strategy).__name__}: {replicas} replica(s) on "
             f"{', '.join(devices) or 'the default device'}")
