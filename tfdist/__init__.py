@@ -37,6 +37,12 @@ _EXPORTS = {
     "configure_threads": "tfdist.devices",
     "logical_device_names": "tfdist.devices",
     "RuntimeAlreadyInitializedError": "tfdist.devices",
+    # model splitting (tfdist/split/)
+    "split_model": "tfdist.split.pipeline",
+    "SplitModel": "tfdist.split.pipeline",
+    "placement_report": "tfdist.split.report",
+    "plan_balanced": "tfdist.split.balance",
+    "plan_from_rules": "tfdist.split.balance",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
