@@ -25,6 +25,7 @@ _EXPORTS = {
     "layer_costs": "tfdist.split.balance",
     "split_model": "tfdist.split.pipeline",
     "SplitModel": "tfdist.split.pipeline",
+    "split_from_options": "tfdist.split.pipeline",
     "ShardedDense": "tfdist.split.tensor_parallel",
     "placement_report": "tfdist.split.report",
     "placement_summary": "tfdist.split.report",

@@ -348,3 +348,27 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def split_from_options(model, options, *, devices: Sequence[str] | None = None):
+    """Applies a SplitOptions (the --split flags) to a built model.
+
+    Returns the model unchanged for split="none", else a SplitModel: "auto"
+    balances over `options.stages` devices (default: all logical devices, or
+    `devices`), a path loads a Plan file.
+    """
+    from tfdist import devices as devices_lib
+
+    if not options.enabled:
+        return model
+    if options.split == "auto":
+        pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
+        k = options.stages if options.stages is not None else len(pool)
+        if k > len(pool):
+            raise ValueError(
+                f"stages={k} but only {len(pool)} device(s) are available ({pool}). Use "
+                f"--logical_devices={k} or fewer stages.")
+        return split_model(model, devices=pool[:k], micro_batches=options.micro_batches,
+                           balance_by=options.split_balance)
+    return split_model(model, plan=plan_lib.Plan.load(options.split),
+                       micro_batches=options.micro_batches)
