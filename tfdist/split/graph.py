@@ -81,8 +81,12 @@ def placed_functional(model, plan: plan_lib.Plan, *, input_shape=None):
             "first (call it on a batch, or give keras.Input / model.build(input_shape))."
         )
 
+    planned = dict(plan.assignments)
+
     def call_placed(layer, *args, **kwargs):
-        with tf.device(plan.device_of(layer.name)):
+        if layer.name not in planned:  # a weightless graph op (x + y): placed at run time
+            return layer(*args, **kwargs)
+        with tf.device(planned[layer.name]):
             return layer(*args, **kwargs)
 
     if _is_functional(model):
@@ -162,13 +166,34 @@ def _single_node(layer, attr):
         ) from None
 
 
+def _graph_operations(functional) -> list:
+    """Layers and weightless ops (keras.ops calls such as `x + y`) in topological order."""
+    ops = getattr(functional, "operations", None)
+    if ops is None:
+        return source_layers(functional)
+    return [op for op in ops if not isinstance(op, keras.layers.InputLayer)]
+
+
 def cut_into_stages(functional, plan: plan_lib.Plan) -> tuple[list[Stage], list[Cut]]:
-    """Cuts the placed Functional graph into the plan's stages."""
-    layers = source_layers(functional)
+    """Cuts the placed Functional graph into the plan's stages.
+
+    Graph ops that are not layers (`x + y` on Keras tensors) run in the
+    stage of the layer before them.
+    """
+    layers = _graph_operations(functional)
     stage_of_layer: dict[str, int] = {}
     for s, (_, names) in enumerate(plan.stages):
         for n in names:
             stage_of_layer[n] = s
+    current = 0
+    for layer in layers:
+        if layer.name in stage_of_layer:
+            current = stage_of_layer[layer.name]
+        else:
+            stage_of_layer[layer.name] = current
+    stage_names: list[list[str]] = [[] for _ in plan.stages]
+    for layer in layers:
+        stage_names[stage_of_layer[layer.name]].append(layer.name)
     producer: dict[int, tuple[int, str]] = {id(t): (-1, "input") for t in functional.inputs}
     tensors: dict[int, object] = {id(t): t for t in functional.inputs}
     consumers: dict[int, set[int]] = {}
@@ -195,7 +220,8 @@ def cut_into_stages(functional, plan: plan_lib.Plan) -> tuple[list[Stage], list[
     final = {id(t) for t in functional.outputs}
     num_stages = plan.num_stages
     stages: list[Stage] = []
-    for s, (device, names) in enumerate(plan.stages):
+    for s, (device, _) in enumerate(plan.stages):
+        names = stage_names[s]
         needed: list[int] = []
         produced: list[int] = []
         for n in names:

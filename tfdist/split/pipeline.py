@@ -107,20 +107,30 @@ class SplitModel(keras.Model):
             raise ValueError(f"Expected {len(self._input_ids)} input tensor(s), received {len(flat)}.")
         return flat
 
-    def _micro_split(self, x):
+    def _micro_split(self, x, training):
+        """M equal micro-batches when training; near-equal ones for evaluate/predict.
+
+        Training requires equal micro-batches (GPipe; a partial batch is a
+        data-pipeline mistake worth reporting). Inference accepts any batch,
+        so evaluate/predict work on a dataset's last partial batch.
+        """
         tf = import_tensorflow()
         m = self.micro_batches
         if m == 1:
             return [x]
         static = x.shape[0]
+        if not training:
+            n = tf.shape(x)[0]
+            sizes = n // m + tf.cast(tf.range(m) < n % m, n.dtype)
+            return tf.split(x, sizes, num=m, axis=0)
         if static is not None:
             check_batch(int(static), m)
             return tf.split(x, m, axis=0)
         n = tf.shape(x)[0]
         with tf.control_dependencies([tf.debugging.assert_equal(
-                n % m, 0, message=f"tfdist split_model: the batch size must be divisible by "
-                                  f"micro_batches={m}. Use a batch size that is a multiple of "
-                                  f"{m} and drop the last partial batch "
+                n % m, 0, message=f"tfdist split_model: the training batch size must be "
+                                  f"divisible by micro_batches={m}. Use a batch size that is a "
+                                  f"multiple of {m} and drop the last partial batch "
                                   "(dataset.batch(..., drop_remainder=True)).")]):
             x = tf.identity(x)
         return tf.split(x, m, axis=0)
@@ -130,7 +140,7 @@ class SplitModel(keras.Model):
         replica = self._replica_id()
         flat = self._flat_inputs(inputs)
         with tf.device(self.stage_device(0, replica)):
-            pieces = [self._micro_split(tf.convert_to_tensor(x)) for x in flat]
+            pieces = [self._micro_split(tf.convert_to_tensor(x), training) for x in flat]
         eager = tf.executing_eagerly()
         ordered = self.schedule == "gpipe" and not eager and self.micro_batches > 1
         last_of_stage: list[list] = [[] for _ in self.stages]
