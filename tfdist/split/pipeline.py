@@ -108,21 +108,23 @@ class SplitModel(keras.Model):
         return flat
 
     def _micro_split(self, x, training):
-        """M equal micro-batches when training; near-equal ones for evaluate/predict.
+        """M equal micro-batches; for inference the batch is padded to a multiple of M.
 
         Training requires equal micro-batches (GPipe; a partial batch is a
-        data-pipeline mistake worth reporting). Inference accepts any batch,
-        so evaluate/predict work on a dataset's last partial batch.
+        data-pipeline mistake worth reporting). Inference accepts any batch
+        (evaluate/predict on a dataset's last partial batch): the batch is
+        zero-padded to a multiple of M and the padding is cut from the outputs
+        (samples are independent: batch-statistics layers are rejected).
         """
         tf = import_tensorflow()
         m = self.micro_batches
         if m == 1:
             return [x]
-        static = x.shape[0]
         if not training:
-            n = tf.shape(x)[0]
-            sizes = n // m + tf.cast(tf.range(m) < n % m, n.dtype)
-            return tf.split(x, sizes, num=m, axis=0)
+            pad = (-tf.shape(x)[0]) % m
+            paddings = tf.concat([[[0, pad]], tf.zeros((tf.rank(x) - 1, 2), tf.int32)], axis=0)
+            return tf.split(tf.pad(x, paddings), m, axis=0)
+        static = x.shape[0]
         if static is not None:
             check_batch(int(static), m)
             return tf.split(x, m, axis=0)
@@ -165,6 +167,9 @@ class SplitModel(keras.Model):
             else:
                 outs = [tf.concat([o[j] for o in outputs_per_micro], axis=0)
                         for j in range(len(self._output_ids))]
+                if not training:  # drop the inference padding
+                    n = tf.shape(flat[0])[0]
+                    outs = [o[:n] for o in outs]
         return outs[0] if self._single_output else outs
 
     # --- training ---------------------------------------------------------------------------
