@@ -204,9 +204,40 @@ def test_tensor_parallel_column_and_row_equal_unsplit():
 
 
 def test_tensor_parallel_rejects_non_dense():
-    with pytest.raises(ValueError, match="supports keras.layers.Dense.*'add'"):
+    with pytest.raises(ValueError, match="supports keras.layers.Dense and MultiHeadAttention.*'add'"):
         tfdist.split_model(residual_model(), devices=["/cpu:0", "/cpu:1"],
                            tensor_parallel={"add": ("column", ["/cpu:0", "/cpu:1"])})
+
+
+def attention_model(seed=4):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6, 8), name="tokens")
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=4, name="mha")(inp, inp)
+    h = keras.layers.Add(name="res")([inp, h])
+    out = keras.layers.Dense(1, name="head")(keras.layers.GlobalAveragePooling1D(name="pool")(h))
+    return keras.Model(inp, out)
+
+
+def test_tensor_parallel_attention_heads_equal_unsplit():
+    model = attention_model()
+    tokens = RNG.standard_normal((16, 6, 8)).astype("float32")
+    target = RNG.standard_normal((16, 1)).astype("float32")
+    plan = Plan.from_dict({"mha": "/cpu:0", "res": "/cpu:0", "pool": "/cpu:1", "head": "/cpu:1"})
+    split = tfdist.split_model(model, plan=plan, micro_batches=2,
+                               tensor_parallel={"mha": ("column", ["/cpu:2", "/cpu:3"])})
+    mha = split.placed_layers()["mha"]
+    devices = sorted({_dev(w) for w in mha.weights})
+    assert devices == ["CPU:0", "CPU:2", "CPU:3"]  # head shards; output bias on the stage device
+    assert [w.shape for w in split.get_weights()] == [w.shape for w in model.get_weights()]
+    assert _max_diff(split.get_weights(), model.get_weights()) == 0.0
+    assert np.abs(split(tokens).numpy() - model(tokens).numpy()).max() <= TOL
+    split.compile(keras.optimizers.SGD(0.05), "mse")
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    h_s = split.fit(tokens, target, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    h_u = model.fit(tokens, target, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    assert np.allclose(h_s, h_u, atol=TOL)
+    assert _max_diff(split.get_weights(), model.get_weights()) <= TOL
+    assert "heads-split: CPU:0, CPU:2, CPU:3" in tfdist.placement_report(split)
 
 
 # --- data parallel x pipeline ----------------------------------------------------------------

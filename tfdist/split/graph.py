@@ -21,7 +21,7 @@ import numpy as np
 
 from tfdist._tf import import_tensorflow
 from tfdist.split import plan as plan_lib
-from tfdist.split.tensor_parallel import ShardedDense
+from tfdist.split.tensor_parallel import ShardedDense, shard_attention
 
 import keras
 
@@ -43,7 +43,7 @@ def _is_functional(model) -> bool:
 
 def _clone_layer(layer, plan: plan_lib.Plan):
     tp = plan.tensor_parallel_of(layer.name)
-    if tp is not None:
+    if tp is not None and not isinstance(layer, keras.layers.MultiHeadAttention):
         return ShardedDense.from_dense(layer, mode=tp.mode, devices=tp.devices,
                                        output_device=plan.device_of(layer.name))
     return layer.__class__.from_config(layer.get_config())
@@ -101,6 +101,14 @@ def placed_functional(model, plan: plan_lib.Plan, *, input_shape=None):
     new = {l.name: l for l in source_layers(functional)}
     for layer in originals:
         new[layer.name].set_weights(layer.get_weights())
+    for name, tp in plan.tensor_parallel:
+        if isinstance(new[name], keras.layers.MultiHeadAttention):
+            if tp.mode != "column":
+                raise ValueError(
+                    f"MultiHeadAttention {name!r} is split by heads: give mode 'column' "
+                    "(query/key/value column-parallel, output projection row-parallel). "
+                    f"Received: mode={tp.mode!r}")
+            shard_attention(new[name], devices=tp.devices, output_device=plan.device_of(name))
     if not _is_functional(model) and not isinstance(model, keras.Sequential):
         _check_chain_matches(model, functional)
     return functional, new

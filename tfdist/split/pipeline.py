@@ -350,9 +350,12 @@ def split_model(model, *, devices: Sequence[str] | None = None,
                            layer_map=layer_map, source_order=_source_order(model),
                            micro_batches=micro_batches, schedule=schedule,
                            replica_devices=replica_devices, strategy=strategy)
+    from tfdist.split.tensor_parallel import _MHA_PROJECTIONS
+
     for layer in layer_map.values():
-        if hasattr(layer, "shard_devices"):
-            layer.device_map = lambda d, s=split: s._map_device(d, s._replica_id())
+        for sub in [layer] + [getattr(layer, a, None) for a, _ in _MHA_PROJECTIONS]:
+            if hasattr(sub, "shard_devices"):
+                sub.device_map = lambda d, s=split: s._map_device(d, s._replica_id())
     del tf
     return split
 

@@ -50,7 +50,8 @@ def placement_summary(split, *, batch_size: int | None = None) -> dict:
             "devices": devices,
             "param_bytes": nbytes,
             "tensor_parallel": None if tp is None else
-            {"mode": tp.mode, "devices": [_short(d) for d in tp.devices]},
+            {"mode": "heads" if type(layer).__name__ == "MultiHeadAttention" else tp.mode,
+             "devices": [_short(d) for d in tp.devices]},
         })
     opt_bytes: dict[str, int] = {}
     optimizer = getattr(split, "optimizer", None)
