@@ -126,6 +126,14 @@ def test_fit_equals_unsplit(micro_batches):
     assert _max_diff(split.get_weights(), ref.get_weights()) <= TOL
 
 
+def test_run_eagerly_falls_back_to_a_tape_with_equal_numbers():
+    split = tfdist.split_model(sequential_model(), devices=["/cpu:0", "/cpu:1"], micro_batches=2)
+    split.compile(keras.optimizers.SGD(0.05), "mse", run_eagerly=True)
+    loss_s = split.fit(X, Y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    loss_u = _fit(sequential_model(), keras.optimizers.SGD(0.05))
+    assert np.allclose(loss_s, loss_u, atol=TOL)
+
+
 def test_sequential_three_stages_and_report():
     split = tfdist.split_model(sequential_model(), devices=["/cpu:0", "/cpu:1", "/cpu:2"],
                                micro_batches=2)

@@ -9,8 +9,9 @@ Two gaps, both seen on TF 2.21 + Keras 3.15 (reference/probe q4b, q4d):
    colocate_gradients_with_ops=True) puts each gradient op on its forward
    op's device, but only in graph mode, so `placed_train_step` mirrors
    keras/src/backend/tensorflow/trainer.py `TensorFlowTrainer.train_step`
-   with `tf.gradients` and uses two private members it needs for that:
-   `Trainer._compute_loss` and `Trainer._loss_tracker`.
+   with `tf.gradients` and uses the private members it needs for that:
+   `Trainer._compute_loss`, `Trainer._loss_tracker` and
+   `keras.src.losses.loss.unscale_loss_for_distribution`.
 2. Keras's TF optimizer creates slot variables (Adam's m and v, momentum)
    under `strategy.extended.colocate_vars_with(var)`, which does nothing
    under the default strategy, so all slots land on CPU:0
@@ -26,6 +27,7 @@ if upstream starts placing either correctly (then these can go).
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 
@@ -55,10 +57,8 @@ def placed_train_step(model, data):
     _check_trainer_privates(model)
     x, y, sample_weight = unpack_x_y_sample_weight(data)
     eager = tf.executing_eagerly()
-    tape = tf.GradientTape() if eager else None
-    if tape is not None:
-        tape.__enter__()
-    try:
+    tape = tf.GradientTape() if eager else contextlib.nullcontext()
+    with tape:
         y_pred = model(x, training=True)
         loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
                                    sample_weight=sample_weight, training=True)
@@ -68,9 +68,6 @@ def placed_train_step(model, data):
         )
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
-    finally:
-        if tape is not None:
-            tape.__exit__(None, None, None)
     variables = model.trainable_weights
     if variables:
         if eager:

@@ -19,6 +19,7 @@ replica r runs stage k on devices[r*K + k].
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal, Sequence
 
 import numpy as np
@@ -285,7 +286,6 @@ def split_model(model, *, devices: Sequence[str] | None = None,
     """
     from tfdist import devices as devices_lib
 
-    tf = import_tensorflow()
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an integer >= 1. Received: micro_batches={micro_batches!r}")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -342,7 +342,7 @@ def split_model(model, *, devices: Sequence[str] | None = None,
 
         strategy = strategies.make_strategy(
             "mirrored", devices=tuple(g[0] for g in replica_devices))
-    scope = strategy.scope() if strategy is not None else _null()
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
         functional, layer_map = graph.placed_functional(model, plan, input_shape=input_shape)
         stages, cuts = graph.cut_into_stages(functional, plan)
@@ -356,16 +356,7 @@ def split_model(model, *, devices: Sequence[str] | None = None,
         for sub in [layer] + [getattr(layer, a, None) for a, _ in _MHA_PROJECTIONS]:
             if hasattr(sub, "shard_devices"):
                 sub.device_map = lambda d, s=split: s._map_device(d, s._replica_id())
-    del tf
     return split
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def split_from_options(model, options, *, devices: Sequence[str] | None = None):

@@ -268,14 +268,14 @@ def validate_against(plan: Plan, layer_names: Sequence[str]) -> None:
             + (f"Plan entries for layers the model does not have: {unknown}. " if unknown else "")
             + f"Model layers: {model_names}."
         )
-    if list(plan.layer_names) != model_names:
-        # Reorder silently would hide a mistake in a hand-written plan only if
-        # the order carried meaning; it does (stages), so rebuild in model order.
-        pass
 
 
 def in_model_order(plan: Plan, layer_names: Sequence[str]) -> Plan:
-    """The same plan with assignments sorted into the model's layer order."""
+    """The same plan with assignments sorted into the model's layer order.
+
+    Stages follow the model's order (the data flow), whatever order a
+    hand-written plan lists its layers in.
+    """
     validate_against(plan, layer_names)
     devices = dict(plan.assignments)
     return Plan(assignments=tuple((n, devices[n]) for n in layer_names),
