@@ -74,10 +74,10 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
              .batch(global_batch_size, drop_remainder=True).prefetch(2))
     test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test)).batch(global_batch_size)
     splitting = split_options is not None and split_options.enabled
-    if splitting and replicas > 1:
+    if splitting and strategy_options.preset != "default":
         raise ValueError(
-            f"--split runs one pipeline; --strategy={strategy_options.preset} has {replicas} "
-            "replicas. Use --strategy=default with --split (replicas x stages: "
+            f"--split places layers itself; --strategy={strategy_options.preset} would place "
+            "the variables too. Use --strategy=default with --split (replicas x stages: "
             "tfdist.split_model(..., replicas=R)).")
     with strategy.scope():
         keras.utils.set_random_seed(seed)

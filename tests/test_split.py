@@ -204,6 +204,16 @@ def test_tensor_parallel_column_and_row_equal_unsplit():
     assert sorted(_dev(w) for w in layers["d1"].weights) == ["CPU:1", "CPU:1", "CPU:3"]
     assert [w.shape for w in split.get_weights()] == [w.shape for w in model.get_weights()]
     assert np.abs(split(X).numpy() - model(X).numpy()).max() <= TOL
+    split.compile(keras.optimizers.SGD(0.05), "mse")
+    step = tf.function(lambda x, y: split.train_step((x, y)))
+    graph = step.get_concrete_function(tf.TensorSpec((8, 16)), tf.TensorSpec((8, 1))).graph
+    matmul_devices = {"d0": set(), "d1": set()}
+    for op in graph.get_operations():
+        for name in matmul_devices:
+            if op.type == "MatMul" and f"/{name}_" in op.name:
+                matmul_devices[name].add(op.device.split("device:")[-1])
+    # forward and gradient matmuls of each shard run on the shard's device
+    assert matmul_devices == {"d0": {"CPU:0", "CPU:2"}, "d1": {"CPU:1", "CPU:3"}}
     loss_s = _fit(split, keras.optimizers.SGD(0.05))
     loss_u = _fit(residual_model(), keras.optimizers.SGD(0.05))
     assert np.allclose(loss_s, loss_u, atol=TOL)

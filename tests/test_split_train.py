@@ -25,7 +25,7 @@ def test_train_with_split_auto(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("argv, fragment", [
     (["--micro_batches=4"], "Pass --split=auto (or a plan file)"),
-    (["--split=auto"], "--split runs one pipeline; --strategy=mirrored has 2 replicas"),
+    (["--split=auto"], "--split places layers itself; --strategy=mirrored would place"),
 ])
 def test_split_bad_input_is_one_clear_line(argv, fragment):
     result = run_python("-m", "experiments.train", "--epochs=1", *argv, timeout=100)
