@@ -35,6 +35,9 @@ def _define_flags():
         flags.DEFINE_string("out", None, "Write the rows as JSON here.")
         flags.DEFINE_enum("worker", None, ["baseline", "split"], "Internal: run one worker.")
         flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "free"], "Pipeline schedule.")
+        flags.DEFINE_bool("onednn", True,
+                          "Use TensorFlow's default oneDNN kernels; --noonednn runs both workers "
+                          "with TF_ENABLE_ONEDNN_OPTS=0 (Eigen kernels).")
 
 
 # --------------------------------------------------------------------------------- worker
@@ -135,8 +138,9 @@ def _capacity_probe():
 
 
 # --------------------------------------------------------------------------------- driver
-def _start(kind: str, schedule: str) -> subprocess.Popen:
-    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+def _start(kind: str, schedule: str, onednn: bool) -> subprocess.Popen:
+    # Both workers use the same kernels, so the ratio compares schedules, not kernel libraries.
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1" if onednn else "0")
     return subprocess.Popen(
         [sys.executable, "-m", "experiments.bench_split", f"--worker={kind}",
          f"--schedule={schedule}"],
@@ -157,14 +161,14 @@ def _expect(proc, timeout_s: float) -> str:
     return line
 
 
-def run(quick: bool, schedule: str = "gpipe") -> list[dict]:
+def run(quick: bool, schedule: str = "gpipe", onednn: bool = True) -> list[dict]:
     """Runs both workers in interleaved rounds; returns benchmark rows."""
     import numpy as np
 
     from tfdist.split.plan import bubble_fraction, ideal_speedup
 
     rounds, reps = (2, 3) if quick else (7, 5)
-    procs = {k: _start(k, schedule) for k in ("baseline", "split")}
+    procs = {k: _start(k, schedule, onednn) for k in ("baseline", "split")}
     times: dict[str, dict[int, list[float]]] = {"baseline": {}, "split": {}}
     try:
         for proc in procs.values():
@@ -185,7 +189,8 @@ def run(quick: bool, schedule: str = "gpipe") -> list[dict]:
                 proc.kill()
                 proc.wait()
     base = float(np.median(times["baseline"][1]))
-    note_load = (f"medians of {rounds}x{reps} steps, interleaved rounds; shared 2-core machine"
+    kernels = "oneDNN" if onednn else "Eigen (TF_ENABLE_ONEDNN_OPTS=0)"
+    note_load = (f"{kernels} kernels; medians of {rounds}x{reps} steps, interleaved; shared 2-core machine"
                  f" (load avg {os.getloadavg()[0]:.1f} at the end)")
     rows = [{"name": "split/unsplit_1thread_step", "value": base * 1e3, "unit": "ms",
              "target": None, "ratio": None,
@@ -226,7 +231,7 @@ def main(argv):
     del argv
     if _FLAGS.worker:
         return _worker(_FLAGS.worker, _FLAGS.schedule)
-    rows = run(_FLAGS.quick, _FLAGS.schedule)
+    rows = run(_FLAGS.quick, _FLAGS.schedule, _FLAGS.onednn)
     for r in rows:
         ratio = "" if r["ratio"] is None else f"  ({r['ratio']:.2f} of target {r['target']:.2f})"
         print(f"{r['name']:<32} {r['value']:>9.3f} {r['unit']:<8}{ratio}  {r['note']}")
