@@ -22,7 +22,7 @@ import time
 
 from absl import app, flags
 
-WIDTH, LAYERS, BATCH = 1024, 8, 1024
+WIDTH, LAYERS, BATCH = 512, 8, 4096
 MICRO_BATCHES = (1, 2, 4, 8)
 K = 2
 
