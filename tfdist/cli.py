@@ -14,6 +14,10 @@ import sys
 # command -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "presets": ("tfdist.commands.presets", "List the strategy presets, their options and needs."),
+    "tf-config": ("tfdist.commands.tf_config",
+                  "Check $TF_CONFIG, or generate TF_CONFIGs (local, hosts, SLURM, Kubernetes)."),
+    "launch": ("tfdist.commands.launch",
+               "Run a script as N local tasks, each with its own TF_CONFIG; supervise, restart."),
 }
 
 
@@ -38,6 +42,12 @@ def run(argv: list[str] | None = None) -> None:
         print(f"tfdist: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(COMMANDS[command][0])
+    # absl's --help lists the key flags of sys.argv[0]'s module (the `tfdist`
+    # script): register the command's flags there so --help shows them.
+    from absl import flags
+
+    for flag in flags.FLAGS.get_flags_for_module(module.__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(module.main, argv=[f"tfdist {command}"] + argv[2:])
 
 
