@@ -34,7 +34,7 @@ def _define_flags():
         flags.DEFINE_bool("quick", False, "Fewer rounds and repeats (smoke run).")
         flags.DEFINE_string("out", None, "Write the rows as JSON here.")
         flags.DEFINE_enum("worker", None, ["baseline", "split"], "Internal: run one worker.")
-        flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "free"], "Pipeline schedule.")
+        flags.DEFINE_enum("schedule", "free", ["free", "gpipe"], "Pipeline schedule.")
         flags.DEFINE_bool("onednn", True,
                           "Use TensorFlow's default oneDNN kernels; --noonednn runs both workers "
                           "with TF_ENABLE_ONEDNN_OPTS=0 (Eigen kernels).")
@@ -172,7 +172,7 @@ def _expect(proc, timeout_s: float) -> str:
     return line
 
 
-def run(quick: bool, schedule: str = "gpipe", onednn: bool = True) -> list[dict]:
+def run(quick: bool, schedule: str = "free", onednn: bool = True) -> list[dict]:
     """Runs both workers in interleaved rounds; returns benchmark rows."""
     import numpy as np
 

@@ -351,3 +351,11 @@ def test_split_from_options_auto_and_file(tmp_path):
     auto.plan.save(path)
     loaded = split_from_options(model, config.SplitOptions(split=str(path)))
     assert loaded.plan == auto.plan
+
+
+def test_gpipe_schedule_equals_unsplit():
+    split = tfdist.split_model(residual_model(), devices=["/cpu:0", "/cpu:1"], micro_batches=4,
+                               schedule="gpipe")
+    loss_s = _fit(split, keras.optimizers.SGD(0.05))
+    loss_u = _fit(residual_model(), keras.optimizers.SGD(0.05))
+    assert np.allclose(loss_s, loss_u, atol=TOL)

@@ -5,7 +5,8 @@ device, hands the tensors crossing the cut to stage 1 on the next device,
 and so on; the outputs are concatenated back into the full batch, so Keras
 computes the loss on the whole batch exactly as for the unsplit model, and
 gradients (sums over micro-batches) equal the unsplit ones up to fp32
-summation order. With schedule="gpipe", stage k of micro-batch i waits for
+summation order. By default (schedule="free") TensorFlow's executor runs
+whatever op is ready; with schedule="gpipe", stage k of micro-batch i waits for
 stage k of micro-batch i-1 (control dependencies): each device works through
 its micro-batches in order while the next device consumes them, which is
 what lets stage 1 of micro-batch i overlap stage 0 of micro-batch i+1. The
@@ -246,7 +247,7 @@ def split_model(model, *, devices: Sequence[str] | None = None,
                 plan: plan_lib.Plan | None = None, micro_batches: int = 1,
                 num_stages: int | None = None, balance_by: str = "params",
                 device_weights: Sequence[float] | None = None, replicas: int = 1,
-                tensor_parallel: dict | None = None, schedule: Schedule = "gpipe",
+                tensor_parallel: dict | None = None, schedule: Schedule = "free",
                 input_shape: Sequence[int] | None = None) -> SplitModel:
     """Runs a Keras model's layers on several devices, pipelined over micro-batches.
 
@@ -267,8 +268,9 @@ def split_model(model, *, devices: Sequence[str] | None = None,
       replicas: data-parallel replicas (MirroredStrategy), each a full pipeline.
       tensor_parallel: {layer name: ("column"|"row", [devices])} Dense layers to
         split across devices (added to the plan).
-      schedule: "gpipe" (each stage processes micro-batches in order) or
-        "free" (TensorFlow's executor decides).
+      schedule: "free" (default: TensorFlow's executor runs any ready op, which
+        also fills the bubble with independent backward work) or "gpipe" (each
+        stage processes micro-batches strictly in order; measured slower).
       input_shape: input shape without batch for subclassed models that were
         never called symbolically.
 
