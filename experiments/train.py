@@ -18,6 +18,7 @@ from models.datasets import DATASETS
 
 tfdist_flags.define_flags()
 tfdist_flags.define_training_flags()
+tfdist_flags.define_split_flags()
 flags.DEFINE_enum("model", "mlp", list(MODELS), "Example model from models/.")
 flags.DEFINE_enum("dataset", "digits", list(DATASETS),
                   "digits (ships with scikit-learn), synthetic, or mnist (needs network once).")
@@ -46,7 +47,8 @@ class _EpochTimer:
 
 def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_size: int,
         epochs: int, steps_per_epoch: int | None, learning_rate: float, seed: int,
-        model_dir: str | None = None, verbose: int | str = "auto") -> dict:
+        model_dir: str | None = None, verbose: int | str = "auto",
+        split_options=None) -> dict:
     """Trains and evaluates one configuration; returns the metrics summary."""
     import keras
     import numpy as np
@@ -71,9 +73,20 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
              .shuffle(len(data.x_train), seed=seed).repeat()
              .batch(global_batch_size, drop_remainder=True).prefetch(2))
     test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test)).batch(global_batch_size)
+    splitting = split_options is not None and split_options.enabled
+    if splitting and strategy_options.preset != "default":
+        raise ValueError(
+            f"--split places layers itself; --strategy={strategy_options.preset} would place "
+            "the variables too. Use --strategy=default with --split (replicas x stages: "
+            "tfdist.split_model(..., replicas=R)).")
     with strategy.scope():
         keras.utils.set_random_seed(seed)
         model = build_model(model_name, data.input_shape, data.num_classes)
+        if splitting:
+            from tfdist.split import split_from_options
+
+            model = split_from_options(model, split_options)
+            print(tfdist.placement_report(model, batch_size=global_batch_size), flush=True)
         model.compile(keras.optimizers.Adam(learning_rate),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
@@ -86,7 +99,7 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
     history = model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=callbacks,
                         verbose=verbose, shuffle=False)  # the dataset is already shuffled
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
-    if model_dir:
+    if model_dir and not splitting:
         model.save(tfdist.chief_path(os.path.join(model_dir, "model.keras")))
     steady = timer.epoch_seconds[1:] or timer.epoch_seconds
     return {
@@ -105,6 +118,9 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
         "test_accuracy": float(test_accuracy),
         "samples_per_sec": steps * global_batch_size / float(np.median(steady)),
         "wall_time_s": time.perf_counter() - start,
+        "split": None if not splitting else {
+            "stages": [[d, list(names)] for d, names in model.plan.stages],
+            "micro_batches": model.micro_batches},
     }
 
 
@@ -121,7 +137,8 @@ def main(argv):
             model_name=FLAGS.model, dataset_name=FLAGS.dataset,
             global_batch_size=FLAGS.global_batch_size, epochs=FLAGS.epochs,
             steps_per_epoch=FLAGS.steps_per_epoch, learning_rate=FLAGS.learning_rate,
-            seed=FLAGS.seed, model_dir=FLAGS.model_dir)
+            seed=FLAGS.seed, model_dir=FLAGS.model_dir,
+            split_options=tfdist_flags.split_options_from_flags())
     except (ValueError, RuntimeError, flags.ValidationError) as e:
         # Bad input: the message says what was received and how to fix it.
         raise SystemExit(f"error: {e}") from None

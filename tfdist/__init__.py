@@ -71,6 +71,13 @@ _EXPORTS = {
     # parameter-server training
     "ParameterServerOptions": "tfdist.config",
     "ParameterServerError": "tfdist.ps",
+
+    # model splitting (tfdist/split/)
+    "split_model": "tfdist.split.pipeline",
+    "SplitModel": "tfdist.split.pipeline",
+    "placement_report": "tfdist.split.report",
+    "plan_balanced": "tfdist.split.balance",
+    "plan_from_rules": "tfdist.split.balance",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

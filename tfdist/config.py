@@ -350,3 +350,61 @@ class ParameterServerOptions(PresetOptions):
     def shards_variables(self) -> bool:
         """True when a variable partitioner is configured."""
         return self.shard_count is not None or self.min_shard_bytes is not None
+
+# --- model splitting (tfdist/split/) -------------------------------------------------------
+SplitBalance = Literal["params", "flops", "time"]
+SPLIT_BALANCE: tuple[str, ...] = ("params", "flops", "time")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SplitOptions:
+    """How experiments split a model across devices (flags --split, --stages, ...).
+
+    Attributes:
+      split: "none" (no splitting), "auto" (balanced plan over `stages`
+        devices) or the path of a plan file written by `Plan.save`.
+      stages: number of pipeline stages for split="auto" (default: every
+        logical device).
+      micro_batches: GPipe micro-batches per batch (M).
+      split_balance: what "auto" balances: params, flops or time.
+    """
+
+    split: str = dataclasses.field(default="none", metadata={
+        "help": "Model splitting: none, auto (balanced over --stages devices) or the path "
+                "of a plan file (JSON from tfdist.split.Plan.save)."})
+    stages: int | None = dataclasses.field(default=None, metadata={
+        "help": "Pipeline stages for --split=auto (default: all logical devices)."})
+    micro_batches: int = dataclasses.field(default=1, metadata={
+        "help": "GPipe micro-batches per batch; the batch size must be a multiple."})
+    split_balance: SplitBalance = dataclasses.field(default="params", metadata={
+        "help": "What --split=auto balances across stages: params, flops or time."})
+
+    def __post_init__(self):
+        if not isinstance(self.split, str) or not self.split:
+            raise ValueError("split must be 'none', 'auto' or a plan file path. "
+                             f"Received: split={self.split!r}")
+        _check_positive_int("stages", self.stages, allow_none=True)
+        _check_positive_int("micro_batches", self.micro_batches)
+        if self.split_balance not in SPLIT_BALANCE:
+            raise ValueError(f"split_balance must be one of {', '.join(SPLIT_BALANCE)}. "
+                             f"Received: split_balance={self.split_balance!r}")
+        if self.split == "none" and (self.stages is not None or self.micro_batches != 1):
+            raise ValueError(
+                "stages and micro_batches only apply when the model is split. Received: "
+                f"split='none', stages={self.stages!r}, micro_batches={self.micro_batches!r}. "
+                "Pass --split=auto (or a plan file), or drop --stages/--micro_batches.")
+        if self.split not in ("none", "auto"):
+            import os
+
+            if not os.path.isfile(self.split):
+                raise ValueError(
+                    f"split must be 'none', 'auto' or an existing plan file. Received: "
+                    f"split={self.split!r} (no such file). Write one with Plan.save(path).")
+            if self.stages is not None:
+                raise ValueError(
+                    f"stages comes from the plan file {self.split!r}; drop --stages. "
+                    f"Received: stages={self.stages!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.split != "none"

@@ -169,3 +169,38 @@ def define_training_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                         "Write a JSON summary of the run (preset, replicas, batch, history, "
                         "held-out accuracy, samples/s, wall time) to this file.",
                         flag_values=flag_values)
+
+
+# --- model splitting ------------------------------------------------------------------------
+def define_split_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """Defines --split, --stages, --micro_batches, --split_balance (from SplitOptions).
+
+    Safe to call twice.
+    """
+    hints = typing.get_type_hints(config_lib.SplitOptions)
+    for field in dataclasses.fields(config_lib.SplitOptions):
+        if field.name in flag_values:
+            continue
+        tp = _unwrap_optional(hints[field.name])
+        help_text = field.metadata["help"]
+        if get_origin(tp) is Literal:
+            flags.DEFINE_enum(field.name, field.default, [str(a) for a in get_args(tp)],
+                              help_text, flag_values=flag_values)
+        elif tp is int:
+            flags.DEFINE_integer(field.name, field.default, help_text, flag_values=flag_values)
+        else:
+            flags.DEFINE_string(field.name, field.default, help_text, flag_values=flag_values)
+
+
+def split_options_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.SplitOptions:
+    """SplitOptions from the split flags.
+
+    Raises:
+      flags.ValidationError: an invalid combination, with the fix.
+    """
+    try:
+        return config_lib.SplitOptions(**{
+            f.name: flag_values[f.name].value
+            for f in dataclasses.fields(config_lib.SplitOptions)})
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None

@@ -1,0 +1,69 @@
+"""The upstream behaviour tfdist.compat.placed_training works around, still present?
+
+If one of these fails, Keras/TensorFlow now places backward ops or slots
+by itself and the workaround can be retired (or needs updating).
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdist.compat import TESTED, placed_training
+
+
+class _OnDevice(keras.layers.Layer):
+    """Pins build (variables) and call (forward ops) of one Dense to a device."""
+
+    def __init__(self, device, **kwargs):
+        super().__init__(**kwargs)
+        self.device_name = device
+        self.inner = keras.layers.Dense(4, activation="relu")
+
+    def build(self, input_shape):
+        with tf.device(self.device_name):
+            self.inner.build(input_shape)
+
+    def call(self, x):
+        with tf.device(self.device_name):
+            return self.inner(x)
+
+
+def _placed_model():
+    inp = keras.Input((3,))
+    return keras.Model(inp, _OnDevice("/cpu:3")(inp))
+
+
+def test_versions_are_the_tested_ones():
+    assert tf.__version__.startswith(TESTED["tensorflow"])
+    assert keras.__version__.startswith(TESTED["keras"])
+
+
+def _slot_devices_after_fit(optimizer):
+    model = _placed_model()
+    model.compile(optimizer, "mse")
+    model.fit(tf.ones((4, 3)), tf.ones((4, 4)), batch_size=4, epochs=1, verbose=0)
+    slots = [v for v in optimizer.variables if "momentum" in v.path or "velocity" in v.path]
+    assert len(slots) == 4
+    return {v.value.device.split("device:")[-1] for v in slots}
+
+
+def test_upstream_slots_ignore_variable_device_and_fix_places_them():
+    assert "CPU:3" not in _slot_devices_after_fit(keras.optimizers.Adam())  # upstream gap
+    fixed = keras.optimizers.Adam()
+    placed_training.colocate_optimizer_slots(fixed)
+    assert _slot_devices_after_fit(fixed) == {"CPU:3"}
+
+
+def test_upstream_tape_gradients_ignore_forward_device_and_fix_colocates():
+    model = _placed_model()
+    model.compile(keras.optimizers.SGD(), "mse")
+    spec = (tf.TensorSpec((2, 3)), tf.TensorSpec((2, 4)))
+
+    def grad_devices(step):
+        graph = tf.function(step).get_concrete_function(*spec).graph
+        return {op.device for op in graph.get_operations()
+                if op.type == "ReluGrad" or (op.type == "MatMul" and "grad" in op.name.lower())}
+
+    tape_devices = grad_devices(lambda x, y: model.train_step((x, y)))
+    assert tape_devices and not any(d.endswith("CPU:3") for d in tape_devices)  # upstream gap
+    fixed = grad_devices(lambda x, y: placed_training.placed_train_step(model, (x, y)))
+    assert fixed and all(d.endswith("CPU:3") for d in fixed)

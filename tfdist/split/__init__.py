@@ -1,0 +1,41 @@
+"""Model splitting: place layers on devices, pipeline micro-batches, split layers.
+
+    split = tfdist.split_model(model, devices=["/cpu:0", "/cpu:1"], micro_batches=8)
+    split.compile("adam", "mse"); split.fit(x, y, batch_size=64)
+    print(tfdist.placement_report(split))
+
+Modules: plan (Plan data, no TensorFlow), balance (automatic and rule
+plans), graph (placed clone, cutting into stages), pipeline (SplitModel,
+split_model), tensor_parallel (ShardedDense), report (placement report).
+Names below load their module on first use, so `tfdist.split.Plan` works
+without importing TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Plan": "tfdist.split.plan",
+    "TensorParallel": "tfdist.split.plan",
+    "bubble_fraction": "tfdist.split.plan",
+    "ideal_speedup": "tfdist.split.plan",
+    "plan_balanced": "tfdist.split.balance",
+    "plan_from_rules": "tfdist.split.balance",
+    "layer_costs": "tfdist.split.balance",
+    "split_model": "tfdist.split.pipeline",
+    "SplitModel": "tfdist.split.pipeline",
+    "split_from_options": "tfdist.split.pipeline",
+    "ShardedDense": "tfdist.split.tensor_parallel",
+    "placement_report": "tfdist.split.report",
+    "placement_summary": "tfdist.split.report",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfdist.split' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
