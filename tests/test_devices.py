@@ -71,3 +71,11 @@ print("initialized:", context.context()._initialized)
     assert result.returncode == 0, result.stderr
     assert "['/device:CPU:0', '/device:CPU:1']" in result.stdout
     assert "initialized: False" in result.stdout
+
+
+def test_every_public_name_loads_quietly():
+    # Any tfdist module that imports keras at the top must import TensorFlow
+    # through tfdist._tf first, or TensorFlow's start-up lines leak.
+    result = run_python("-c", "import tfdist\nfor name in tfdist.__all__: getattr(tfdist, name)")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", result.stderr

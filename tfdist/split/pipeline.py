@@ -30,7 +30,11 @@ from tfdist.compat import placed_training
 from tfdist.split import balance, graph
 from tfdist.split import plan as plan_lib
 
-import keras
+from tfdist._tf import import_tensorflow
+
+import_tensorflow()  # quietly, before keras imports TensorFlow itself
+
+import keras  # noqa: E402
 
 Schedule = Literal["gpipe", "free"]
 

@@ -19,7 +19,11 @@ import numpy as np
 
 from tfdist._tf import import_tensorflow
 
-import keras
+from tfdist._tf import import_tensorflow
+
+import_tensorflow()  # quietly, before keras imports TensorFlow itself
+
+import keras  # noqa: E402
 
 
 def _shard_sizes(total: int, parts: int) -> list[int]:
