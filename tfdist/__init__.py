@@ -37,6 +37,23 @@ _EXPORTS = {
     "configure_threads": "tfdist.devices",
     "logical_device_names": "tfdist.devices",
     "RuntimeAlreadyInitializedError": "tfdist.devices",
+    # cluster: TF_CONFIG parse / validate / generate (no TensorFlow)
+    "TASK_TYPES": "tfdist.cluster",
+    "Cluster": "tfdist.cluster",
+    "TFConfig": "tfdist.cluster",
+    "TFConfigError": "tfdist.cluster",
+    "TFConfigWarning": "tfdist.cluster",
+    "parse_tf_config": "tfdist.cluster",
+    "tf_config_from_env": "tfdist.cluster",
+    "tf_config_for": "tfdist.cluster",
+    "tf_configs": "tfdist.cluster",
+    "free_ports": "tfdist.cluster",
+    "local_cluster": "tfdist.cluster",
+    "hosts_cluster": "tfdist.cluster",
+    "slurm_tf_config": "tfdist.cluster",
+    "kubernetes_tfjob": "tfdist.cluster",
+    "kubernetes_cluster": "tfdist.cluster",
+    "to_yaml": "tfdist.cluster",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -14,6 +14,8 @@ import sys
 # command -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "presets": ("tfdist.commands.presets", "List the strategy presets, their options and needs."),
+    "tf-config": ("tfdist.commands.tf_config",
+                  "Check $TF_CONFIG, or generate TF_CONFIGs (local, hosts, SLURM, Kubernetes)."),
 }
 
 
