@@ -177,3 +177,18 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
             f"global_batch_size={global_batch_size}. Use {lower or higher} or {higher}."
         )
     return global_batch_size // num_replicas
+
+
+# --- auto (cost model / planner) ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoOptions(PresetOptions):
+    """Picks the preset from the environment (see `tfdist.strategies.choose_preset`).
+
+    TF_CONFIG with ps tasks -> parameter_server; TF_CONFIG with several
+    training tasks -> multi_worker_mirrored; several GPUs -> mirrored; else
+    default. The chosen preset runs with its default options.
+    """
+
+    preset: ClassVar[str] = "auto"

@@ -427,13 +427,18 @@ class ModelStats:
     def from_param_count(cls, num_params: int, *, bytes_per_param: int = 4,
                          activation_bytes_per_example: int = 0,
                          forward_flops_per_example: float | None = None) -> "ModelStats":
-        """Stats for a model known only by its size (dense: 2 FLOPs/param/example)."""
+        """Stats for a model known only by its size.
+
+        FLOPs per example depend on the architecture (a dense layer does 2 per
+        parameter per example, a transformer 2 per parameter per *token*), so
+        they stay unknown (0) unless given; the planner then makes no
+        compute-time estimate.
+        """
         _check_positive("num_params", num_params, integer=True)
         _check_positive("bytes_per_param", bytes_per_param, integer=True)
-        flops = 2.0 * num_params if forward_flops_per_example is None else forward_flops_per_example
         return cls(num_params=num_params, trainable_bytes=num_params * bytes_per_param,
                    activation_bytes_per_example=activation_bytes_per_example,
-                   forward_flops_per_example=flops)
+                   forward_flops_per_example=forward_flops_per_example or 0.0)
 
     @property
     def gradient_bytes(self) -> int:

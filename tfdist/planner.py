@@ -419,16 +419,23 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
         split = _find_split(stats, cluster, batch, opt)
         if split is not None:
             recommended = "split"
+            groups = split.data_parallel_groups
+            stage_grads = k / split.stages  # each stage all-reduces its own gradients
             candidates.append(Candidate(
-                preset="split", num_replicas=split.data_parallel_groups,
-                per_replica_batch_size=batch // split.data_parallel_groups,
+                preset="split", num_replicas=groups,
+                per_replica_batch_size=batch // groups,
                 memory=split.stage_memory, device_memory=device.memory,
+                communication_bytes=cost.ring_allreduce_bytes_per_rank(stage_grads, groups),
+                communication_time=cost.ring_allreduce_time(stage_grads, groups,
+                                                            cluster.slowest_link),
                 registered=_split_registered(registered),
                 note=f"{split.stages} pipeline stages x {split.data_parallel_groups} "
                      "data-parallel group(s)"))
+            where = (f"pipeline stages starting at layers {list(split.stage_boundaries)}"
+                     if split.stage_boundaries else "balanced pipeline stages assumed: the "
+                     "layers are unknown")
             reasons.append(
-                f"Split the model over {split.stages} devices (pipeline stages starting at "
-                f"layers {list(split.stage_boundaries)}): the fullest stage needs "
+                f"Split the model over {split.stages} devices ({where}): the fullest stage needs "
                 f"{cost.format_bytes(split.stage_memory.total)} of "
                 f"{cost.format_bytes(device.memory)}. With {split.micro_batches} micro-batches "
                 f"the bubble is {split.bubble:.0%} (ideal speed-up {split.ideal_speedup:.2f}x "
@@ -498,7 +505,8 @@ def _why(best: Candidate, cluster: cost.Cluster, fitting: list[Candidate]) -> st
         text += (f"; ring all-reduce sends {cost.format_bytes(best.communication_bytes)} per "
                  f"rank per step, ~{cost.format_seconds(best.communication_time)}")
     if best.step_time is not None:
-        text += f"; estimated step {cost.format_seconds(best.step_time)}"
+        text += (f"; estimated step {cost.format_seconds(best.step_time)} at peak FLOP/s "
+                 "with no overlap of communication and compute")
         others = [c for c in fitting if c is not best and c.step_time is not None]
         if others:
             text += " (" + ", ".join(f"{c.preset} {cost.format_seconds(c.step_time)}"
