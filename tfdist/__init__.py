@@ -54,6 +54,14 @@ _EXPORTS = {
     "kubernetes_tfjob": "tfdist.cluster",
     "kubernetes_cluster": "tfdist.cluster",
     "to_yaml": "tfdist.cluster",
+    # cost model, planner, auto preset, monitoring (tfdist.cost holds the hardware specs)
+    "plan": "tfdist.planner",
+    "Plan": "tfdist.planner",
+    "this_machine": "tfdist.planner",
+    "model_stats": "tfdist.cost",
+    "AutoOptions": "tfdist.config",
+    "choose_preset": "tfdist.strategies",
+    "ThroughputMonitor": "tfdist.callbacks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
