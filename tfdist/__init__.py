@@ -26,6 +26,7 @@ _EXPORTS = {
     "get_preset": "tfdist.strategies",
     "register_preset": "tfdist.strategies",
     "describe": "tfdist.strategies",
+    "replica_devices": "tfdist.strategies",
     "Preset": "tfdist.strategies",
     # configuration
     "DefaultOptions": "tfdist.config",

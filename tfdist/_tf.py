@@ -79,4 +79,7 @@ def import_tensorflow():
         # Probing physical devices prints the CUDA/cuInit lines; it does not
         # initialise the runtime, so logical devices can still be configured.
         tensorflow.config.list_physical_devices()
+    # TensorFlow's Python INFO lines ("Using MirroredStrategy with devices ...")
+    # repeat what tfdist prints; warnings and errors still show.
+    tensorflow.get_logger().setLevel("WARNING")
     return tensorflow

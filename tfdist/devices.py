@@ -81,6 +81,8 @@ def configure_logical_devices(
         tf.config.set_logical_device_configuration(physical[0], wanted)
     except RuntimeError:
         have = len(tf.config.list_logical_devices(device_type))
+        if have == num_devices:  # already running with the layout asked for
+            return logical_device_names(device_type)
         raise RuntimeAlreadyInitializedError(
             f"Cannot split {device_type}:0 into {num_devices} logical devices: TensorFlow's "
             f"runtime is already running in this process with {have} logical "

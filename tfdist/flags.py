@@ -143,3 +143,29 @@ def apply_verbosity(flag_values: flags.FlagValues = FLAGS) -> None:
 
     if flag_values["verbosity"].value >= 1:
         os.environ["TFDIST_VERBOSE"] = "1"
+
+
+def define_training_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """Defines the generic training flags shared by tfdist's entry points."""
+    if "global_batch_size" in flag_values:
+        return
+    flags.DEFINE_integer(
+        "global_batch_size", 64,
+        "Examples per step over all replicas; each replica gets global_batch_size / replicas.",
+        lower_bound=1, flag_values=flag_values)
+    flags.DEFINE_integer("epochs", 20, "Training epochs.", lower_bound=1,
+                         flag_values=flag_values)
+    flags.DEFINE_integer("steps_per_epoch", None,
+                         "Steps per epoch (default: one pass over the training set).",
+                         lower_bound=1, flag_values=flag_values)
+    flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.", lower_bound=0.0,
+                       flag_values=flag_values)
+    flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout.",
+                         flag_values=flag_values)
+    flags.DEFINE_string("model_dir", None,
+                        "Directory for TensorBoard logs (logs/) and the saved model "
+                        "(model.keras). Default: write nothing.", flag_values=flag_values)
+    flags.DEFINE_string("metrics_out", None,
+                        "Write a JSON summary of the run (preset, replicas, batch, history, "
+                        "held-out accuracy, samples/s, wall time) to this file.",
+                        flag_values=flag_values)

@@ -114,7 +114,7 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
     else:
         opts = make_options(preset, **options)
     strategy = get_preset(opts.preset).factory(opts)
-    logger.info("tfdist: preset %s -> %s", opts.preset, describe(strategy))
+    logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 
 
@@ -125,13 +125,21 @@ def describe(strategy, global_batch_size: int | None = None) -> str:
       ValueError: if `global_batch_size` does not divide over the replicas.
     """
     replicas = strategy.num_replicas_in_sync
-    devices = getattr(strategy.extended, "worker_devices", ())
+    devices = replica_devices(strategy)
     text = (f"{type(strategy).__name__}: {replicas} replica(s) on "
             f"{', '.join(devices) or 'the default device'}")
     if global_batch_size is not None:
         per_replica = config_lib.per_replica_batch_size(global_batch_size, replicas)
         text += f"; global batch {global_batch_size} = {replicas} x {per_replica} per replica"
     return text
+
+
+def replica_devices(strategy) -> tuple[str, ...]:
+    """The devices this process's replicas run on; () for the default strategy."""
+    try:
+        return tuple(strategy.extended.worker_devices)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return ()
 
 
 # --- presets -----------------------------------------------------------------

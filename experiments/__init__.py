@@ -1,0 +1,1 @@
+"""absl entry points: `python -m experiments.train`, `python -m experiments.benchmark`."""

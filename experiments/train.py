@@ -1,0 +1,133 @@
+"""Train an example model with a tfdist preset: `python -m experiments.train`.
+
+With no flags: MirroredStrategy over 2 logical CPUs on the scikit-learn digits.
+    python -m experiments.train --strategy=mirrored --logical_devices=4 --model=cnn
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+import tfdist.flags as tfdist_flags
+from models import MODELS
+from models.datasets import DATASETS
+
+tfdist_flags.define_flags()
+tfdist_flags.define_training_flags()
+flags.DEFINE_enum("model", "mlp", list(MODELS), "Example model from models/.")
+flags.DEFINE_enum("dataset", "digits", list(DATASETS),
+                  "digits (ships with scikit-learn), synthetic, or mnist (needs network once).")
+flags.FLAGS.set_default("logical_devices", 2)
+FLAGS = flags.FLAGS
+
+
+class _EpochTimer:
+    """Wall time per epoch, for samples/s that ignore the first epoch's tracing."""
+
+    def __new__(cls):
+        import keras
+
+        class Timer(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                self.epoch_seconds = []
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self._start = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.epoch_seconds.append(time.perf_counter() - self._start)
+
+        return Timer()
+
+
+def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_size: int,
+        epochs: int, steps_per_epoch: int | None, learning_rate: float, seed: int,
+        model_dir: str | None = None, verbose: int | str = "auto") -> dict:
+    """Trains and evaluates one configuration; returns the metrics summary."""
+    import keras
+    import numpy as np
+
+    import tfdist
+    from models import build_model
+    from models.datasets import load_dataset
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    start = time.perf_counter()
+    data = load_dataset(dataset_name, seed=seed)
+    strategy = tfdist.make_strategy(strategy_options)
+    replicas = strategy.num_replicas_in_sync
+    per_replica = tfdist.per_replica_batch_size(global_batch_size, replicas)
+    steps = steps_per_epoch or max(1, len(data.x_train) // global_batch_size)
+    print(f"tfdist: {tfdist.describe(strategy, global_batch_size)}", flush=True)
+    print(f"tfdist: {model_name} on {dataset_name}: {len(data.x_train)} train / "
+          f"{len(data.x_test)} held-out examples, {steps} steps/epoch", flush=True)
+
+    train = (tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
+             .shuffle(len(data.x_train), seed=seed).repeat()
+             .batch(global_batch_size, drop_remainder=True).prefetch(2))
+    test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test)).batch(global_batch_size)
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = build_model(model_name, data.input_shape, data.num_classes)
+        model.compile(keras.optimizers.Adam(learning_rate),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    timer = _EpochTimer()
+    callbacks = [timer]
+    if model_dir:
+        callbacks.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
+    history = model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=callbacks,
+                        verbose=verbose, shuffle=False)  # the dataset is already shuffled
+    test_loss, test_accuracy = model.evaluate(test, verbose=0)
+    if model_dir:
+        model.save(os.path.join(model_dir, "model.keras"))
+    steady = timer.epoch_seconds[1:] or timer.epoch_seconds
+    return {
+        "preset": strategy_options.preset,
+        "strategy": type(strategy).__name__,
+        "num_replicas": replicas,
+        "devices": list(tfdist.replica_devices(strategy)),
+        "global_batch_size": global_batch_size,
+        "per_replica_batch_size": per_replica,
+        "model": model_name,
+        "dataset": dataset_name,
+        "epochs": epochs,
+        "steps_per_epoch": steps,
+        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+        "test_loss": float(test_loss),
+        "test_accuracy": float(test_accuracy),
+        "samples_per_sec": steps * global_batch_size / float(np.median(steady)),
+        "wall_time_s": time.perf_counter() - start,
+    }
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    tfdist_flags.apply_verbosity()
+    try:
+        tfdist_flags.apply_device_flags()
+        metrics = run(
+            strategy_options=tfdist_flags.strategy_options_from_flags(),
+            model_name=FLAGS.model, dataset_name=FLAGS.dataset,
+            global_batch_size=FLAGS.global_batch_size, epochs=FLAGS.epochs,
+            steps_per_epoch=FLAGS.steps_per_epoch, learning_rate=FLAGS.learning_rate,
+            seed=FLAGS.seed, model_dir=FLAGS.model_dir)
+    except (ValueError, RuntimeError, flags.ValidationError) as e:
+        # Bad input: the message says what was received and how to fix it.
+        raise SystemExit(f"error: {e}") from None
+    print(f"tfdist: held-out accuracy {metrics['test_accuracy']:.4f}, "
+          f"{metrics['samples_per_sec']:.0f} samples/s, {metrics['wall_time_s']:.1f} s wall")
+    if FLAGS.metrics_out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.metrics_out)), exist_ok=True)
+        with open(FLAGS.metrics_out, "w") as f:
+            json.dump(metrics, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
