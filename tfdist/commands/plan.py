@@ -24,6 +24,9 @@ from tfdist import cost, planner
 _MODEL = flags.DEFINE_string(
     "model", None, "Example model from models/ to plan for (mlp, cnn, transformer, ...: any "
     "models.build_<name>). Exclusive with --params.")
+_INPUT_SHAPE = flags.DEFINE_list(
+    "input_shape", ["28", "28", "1"], "With --model: the input shape of one example.")
+_NUM_CLASSES = flags.DEFINE_integer("num_classes", 10, "With --model: the number of classes.")
 _PARAMS = flags.DEFINE_string(
     "params", None, "Trainable parameter count instead of a model: 7e9, 7B, 350M, 125000.")
 _ACTIVATIONS = flags.DEFINE_string(
@@ -183,11 +186,14 @@ def _build_model(name: str):
     except ImportError:
         raise ValueError("--model needs the example models package `models/` (run from the "
                          "tfdist repository root), or pass --params=N.") from None
-    builders = sorted(n[len("build_"):] for n in dir(models) if n.startswith("build_"))
-    builder = getattr(models, f"build_{name}", None)
-    if builder is None:
-        raise ValueError(f"Unknown model {name!r}. Valid models: {', '.join(builders)}.")
-    return builder()
+    try:
+        shape = tuple(int(d) for d in _INPUT_SHAPE.value)
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise ValueError("input_shape must be positive integers such as 28,28,1. "
+                         f"Received: --input_shape={','.join(_INPUT_SHAPE.value)}")
+    return models.build_model(name, shape, _NUM_CLASSES.value)
 
 
 def format_plan(plan: planner.Plan) -> str:
