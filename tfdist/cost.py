@@ -682,13 +682,18 @@ def parameter_server_time(gradient_bytes: float, *, num_workers: int, num_ps: in
     return 2 * num_workers * link.latency + volume * link.seconds_per_byte
 
 
-def fit_alpha_beta(points: Sequence[tuple[float, float]], num_replicas: int) -> Link:
+def fit_alpha_beta(points: Sequence[tuple[float, float]], num_replicas: int, *,
+                   relative: bool = True) -> Link:
     """Calibrates a ring all-reduce link from measured (bytes, seconds) points.
 
-    Least squares for T = 2(N-1) a + 2(N-1)/N * K * b with a, b >= 0.
+    Least squares for T = 2(N-1) a + 2(N-1)/N * K * b with a, b >= 0. With
+    `relative` (default) each point's residual is divided by its measured
+    time, so small and large messages count alike (the model is judged by
+    relative error); otherwise large messages dominate.
 
     Raises:
-      ValueError: fewer than two distinct sizes, or a fit with no positive bandwidth.
+      ValueError: fewer than two distinct sizes, a non-positive time, or a
+        fit with no positive bandwidth.
     """
     _check_positive("num_replicas", num_replicas, integer=True)
     if num_replicas < 2:
@@ -699,21 +704,32 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], num_replicas: int) -> 
             "fit_alpha_beta needs measurements at two or more message sizes. "
             f"Received: {len(pts)} point(s) at sizes {sorted({k for k, _ in pts})}"
         )
+    if any(t <= 0 for _, t in pts):
+        raise ValueError(f"Measured times must be > 0. Received: {pts}")
     n = num_replicas
     xs = [2 * (n - 1) / n * k for k, _ in pts]  # bytes per rank
     ts = [t for _, t in pts]
-    mean_x, mean_t = sum(xs) / len(xs), sum(ts) / len(ts)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    beta = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, ts)) / sxx
-    intercept = mean_t - beta * mean_x
+    ws = [1 / t**2 if relative else 1.0 for t in ts]
+
+    def solve(with_intercept: bool) -> tuple[float, float]:
+        sw = sum(ws)
+        swx = sum(w * x for w, x in zip(ws, xs))
+        swt = sum(w * t for w, t in zip(ws, ts))
+        swxx = sum(w * x * x for w, x in zip(ws, xs))
+        swxt = sum(w * x * t for w, x, t in zip(ws, xs, ts))
+        if not with_intercept:
+            return 0.0, swxt / swxx
+        det = sw * swxx - swx * swx
+        return (swxx * swt - swx * swxt) / det, (sw * swxt - swx * swt) / det
+
+    intercept, beta = solve(True)
+    if intercept < 0:  # refit through the origin: latency 0
+        intercept, beta = solve(False)
     if beta <= 0:
         raise ValueError(
             "The measurements do not grow with message size, so no bandwidth can be fitted "
             f"(slope {beta:.3g} s/byte). Measure larger messages."
         )
-    if intercept < 0:  # refit through the origin: latency 0
-        intercept = 0.0
-        beta = sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs)
     return Link(bandwidth=1.0 / beta, latency=intercept / (2 * (n - 1)))
 
 
