@@ -284,6 +284,21 @@ def test_fit_alpha_beta_recovers_the_link():
     assert fitted.latency == pytest.approx(3e-5, rel=1e-6)
 
 
+def test_relative_fit_weighs_small_messages_like_large_ones():
+    # Exact line through the small sizes, one large size 50% slower than the line.
+    true = cost.Link(bandwidth=1e9, latency=1e-4)
+    points = [(k, cost.ring_allreduce_time(k, 2, true)) for k in (1e6, 2e6, 4e6)]
+    points.append((1e9, 1.5 * cost.ring_allreduce_time(1e9, 2, true)))
+    relative = cost.fit_alpha_beta(points, 2)
+    absolute = cost.fit_alpha_beta(points, 2, relative=False)
+
+    def worst_small(link):
+        return max(abs(cost.ring_allreduce_time(k, 2, link) - t) / t for k, t in points[:3])
+
+    # The absolute fit follows the one large message and misses the rest by > 40%.
+    assert worst_small(relative) < 0.15 and worst_small(absolute) > 0.4
+
+
 def test_fit_alpha_beta_clamps_negative_latency():
     fitted = cost.fit_alpha_beta([(1000, 0.5e-6), (2000, 1.5e-6)], 2)
     assert fitted.latency == 0.0 and fitted.bandwidth > 0
@@ -294,6 +309,7 @@ def test_fit_alpha_beta_clamps_negative_latency():
     ([(1000, 1e-3), (1000, 2e-3)], 2, r"two or more message sizes"),
     ([(1000, 2e-3), (2000, 1e-3)], 2, r"do not grow with message size"),
     ([(1000, 1e-3), (2000, 2e-3)], 1, r"needs >= 2 replicas\. Received: num_replicas=1"),
+    ([(1000, 0.0), (2000, 2e-3)], 2, r"Measured times must be > 0"),
 ])
 def test_fit_alpha_beta_rejects(points, n, message):
     with pytest.raises(ValueError, match=message):
