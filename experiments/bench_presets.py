@@ -125,13 +125,24 @@ def _paired_ratio(a, b):
     return statistics.median(x / y for x, y in zip(a.samples_per_sec, b.samples_per_sec))
 
 
+def _ratio_range(a, b):
+    ratios = [x / y for x, y in zip(a.samples_per_sec, b.samples_per_sec)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def _interleave(configs, rounds, batch):
     for config in configs:
         config.warm_up()
     for r in range(rounds):
-        # Rotate the order so no configuration always runs first or last.
-        for config in configs[r % len(configs):] + configs[:r % len(configs)]:
+        for config in _round_order(configs, r):
             config.time_round(batch)
+
+
+def _round_order(configs, r):
+    """Rotated so no configuration always runs first, reversed on odd rounds so
+    neighbours (tfdist's and the hand-written strategy) take turns going first."""
+    order = configs[r % len(configs):] + configs[:r % len(configs)]
+    return order[::-1] if r % 2 else order
 
 
 def _dataset(tf, inputs, outputs, batch, *, classes=True):
@@ -185,7 +196,8 @@ def _throughput(quick):
     rows = [_row(
         "wrapper overhead: tfdist mirrored x2 / hand-written MirroredStrategy x2",
         _paired_ratio(ours, theirs), "x", WRAPPER_TARGET,
-        f"median of per-round ratios; medians {ours.median:,.0f} vs {theirs.median:,.0f} "
+        f"median of per-round ratios (range {_ratio_range(ours, theirs)}); medians "
+        f"{ours.median:,.0f} vs {theirs.median:,.0f} "
         f"samples/s; MLP 784-512-512-10, Adam, global batch {GLOBAL_BATCH}")]
     rows.append(_row("plain model.fit (no strategy)", plain.median, "samples/s", None,
                      f"MLP 784-512-512-10, Adam, batch {GLOBAL_BATCH}; absolute: this machine"))
@@ -249,7 +261,7 @@ def _mfu(quick):
         config.warm_up()
     for r in range(2 if quick else 5):
         peaks.append(_matmul_peak(tf, 2048, 3 if quick else 12))
-        for config in configs[r % len(configs):] + configs[:r % len(configs)]:
+        for config in _round_order(configs, r):
             config.time_round(MFU_BATCH)
     peak = statistics.median(peaks)
     best = max(configs, key=lambda c: c.median)
