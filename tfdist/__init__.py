@@ -55,6 +55,8 @@ _EXPORTS = {
     "kubernetes_tfjob": "tfdist.cluster",
     "kubernetes_cluster": "tfdist.cluster",
     "to_yaml": "tfdist.cluster",
+    "check_cluster_for": "tfdist.cluster",
+    "check_local_ports": "tfdist.cluster",
     # cost model, planner, auto preset, monitoring (tfdist.cost holds the hardware specs)
     "plan": "tfdist.planner",
     "Plan": "tfdist.planner",

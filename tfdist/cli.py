@@ -43,6 +43,12 @@ def run(argv: list[str] | None = None) -> None:
         print(f"tfdist: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(COMMANDS[command][0])
+    # absl's --help lists the key flags of sys.argv[0]'s module (the `tfdist`
+    # script): register the command's flags there so --help shows them.
+    from absl import flags
+
+    for flag in flags.FLAGS.get_flags_for_module(module.__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(module.main, argv=[f"tfdist {command}"] + argv[2:])
 
 

@@ -114,12 +114,21 @@ def split_address(address: Any, *, what: str = "address") -> tuple[str, int]:
                 f"{what} has no host. Received: {what}={address!r}. "
                 f"Write the host before the port, e.g. 'localhost{address}'."
             )
-        if not _HOSTNAME_RE.match(host):
+        looks_ipv4 = re.fullmatch(r"[0-9.]+", host) is not None
+        if looks_ipv4:
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise TFConfigError(
+                    f"{what} has an invalid IPv4 address {host!r}. Received: "
+                    f"{what}={address!r}. Each of the 4 numbers must be 0..255."
+                ) from None
+        elif not _HOSTNAME_RE.match(host):
             raise TFConfigError(
                 f"{what} has an invalid host name {host!r}. Received: {what}={address!r}. "
                 f"Use a host name, an IPv4 address or a bracketed IPv6 address: {_EXAMPLE}."
             )
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 1 <= int(port_text) <= 65535:
         raise TFConfigError(
             f"{what} has an invalid port {port_text!r}. Received: {what}={address!r}. "
             f"The port must be an integer from 1 to 65535, e.g. '{host}:2222'."
@@ -417,9 +426,11 @@ class TFConfig:
 
 
 def _json_error(text: str, err: json.JSONDecodeError) -> TFConfigError:
-    line = text.splitlines()[err.lineno - 1] if text.splitlines() else ""
-    start = max(0, err.colno - 1 - 40)
-    snippet = ("..." if start else "") + line[start:start + 80]
+    lines = text.splitlines()
+    line = lines[err.lineno - 1] if 0 < err.lineno <= len(lines) else ""
+    # Whole line when short; otherwise an 80-character window around the error.
+    start = 0 if len(line) <= 100 else max(0, err.colno - 1 - 40)
+    snippet = ("..." if start else "") + line[start:start + (100 if not start else 80)]
     caret = " " * (err.colno - 1 - start + (3 if start else 0)) + "^"
     hint = ""
     if "'" in text and "property name enclosed in double quotes" in err.msg:
@@ -488,6 +499,7 @@ def parse_tf_config(value: str | Mapping[str, Any]) -> TFConfig:
             "Add e.g. \"task\": {\"type\": \"worker\", \"index\": 0}."
         )
     cluster = Cluster.from_dict(data["cluster"], what="TF_CONFIG[\"cluster\"]")
+    _warn_mixed_loopback(cluster)
     task = data["task"]
     if not isinstance(task, Mapping):
         raise TFConfigError(
@@ -517,6 +529,30 @@ def parse_tf_config(value: str | Mapping[str, Any]) -> TFConfig:
                     rpc_layer=data.get("rpc_layer"))
 
 
+def _is_loopback(host: str) -> bool:
+    host = host.lower().rstrip(".").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_mixed_loopback(cluster: Cluster) -> None:
+    addresses = [cluster.address(*t) for t in cluster.tasks()]
+    local = [a for a in addresses if _is_loopback(split_address(a)[0])]
+    if local and len(local) < len(addresses):
+        remote = [a for a in addresses if a not in local]
+        warnings.warn(
+            f"The cluster mixes loopback addresses ({', '.join(local)}) with other hosts "
+            f"({', '.join(remote)}). A task on another machine cannot reach a loopback "
+            f"address: use every task's real host name or IP.",
+            TFConfigWarning,
+            stacklevel=3,
+        )
+
+
 def tf_config_from_env(environ: Mapping[str, str] | None = None) -> TFConfig | None:
     """The validated TF_CONFIG of this process, or None when it is unset.
 
@@ -528,7 +564,7 @@ def tf_config_from_env(environ: Mapping[str, str] | None = None) -> TFConfig | N
     """
     environ = os.environ if environ is None else environ
     value = environ.get(_TF_CONFIG)
-    if value is None or value.strip() in ("", "{}"):
+    if value is None or "".join(value.split()) in ("", "{}"):
         return None
     return parse_tf_config(value)
 
@@ -544,6 +580,45 @@ def tf_configs(cluster: Cluster, *, rpc_layer: str | None = None) -> list[TFConf
     """One TFConfig per task of `cluster` (evaluator included), chief first."""
     return [TFConfig(cluster=cluster, task_type=t, task_id=i, rpc_layer=rpc_layer)
             for t, i in cluster.tasks()]
+
+
+STRATEGY_KINDS: tuple[str, ...] = ("multi_worker_mirrored", "parameter_server")
+
+
+def check_cluster_for(cluster: Cluster | TFConfig, strategy: str) -> None:
+    """Checks that `cluster` has the roles `strategy` needs.
+
+    Args:
+      cluster: a Cluster or a TFConfig.
+      strategy: 'multi_worker_mirrored' (chief/workers, no ps) or
+        'parameter_server' (a chief as coordinator, >= 1 worker, >= 1 ps).
+
+    Raises:
+      TFConfigError: naming the missing or extra roles and the fix.
+    """
+    if isinstance(cluster, TFConfig):
+        cluster = cluster.cluster
+    if strategy not in STRATEGY_KINDS:
+        raise TFConfigError(
+            f"Unknown strategy {strategy!r}. Valid: {', '.join(STRATEGY_KINDS)}."
+        )
+    if strategy == "multi_worker_mirrored":
+        if cluster.ps:
+            raise TFConfigError(
+                f"MultiWorkerMirroredStrategy has no parameter servers, but the cluster "
+                f"lists ps={list(cluster.ps)}. Remove \"ps\" from the cluster, or use the "
+                f"parameter_server strategy."
+            )
+        return
+    missing = ["a chief (the coordinator that runs the training loop)"] if not cluster.chief else []
+    missing += ["at least one worker"] if not cluster.worker else []
+    missing += ["at least one ps"] if not cluster.ps else []
+    if missing:
+        raise TFConfigError(
+            f"ParameterServerStrategy needs {', '.join(missing)}. Received a cluster "
+            f"with {cluster.sizes()}. Example: local_cluster(num_workers=2, num_ps=1, "
+            f"chief=True) or `tfdist tf-config --local --num_workers=2 --num_ps=1 --chief`."
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -607,6 +682,32 @@ def free_ports(count: int, *, host: str = "127.0.0.1") -> list[int]:
             for sock in held:
                 sock.close()
     return ports
+
+
+def check_local_ports(cluster: Cluster) -> None:
+    """Checks that every loopback address of `cluster` has a free port right now.
+
+    Call it just before starting the local tasks: a port taken since it was
+    picked (or a hand-written cluster reusing a busy port) fails here with the
+    task's name instead of as "Could not start gRPC server" in a child.
+    Non-loopback addresses are not touched.
+
+    Raises:
+      TFConfigError: naming the task, its address and the fix.
+    """
+    for task_type, task_id in cluster.tasks():
+        address = cluster.address(task_type, task_id)
+        host, port = split_address(address)
+        if not _is_loopback(host) or host.startswith("["):
+            continue
+        sock = _try_bind("127.0.0.1" if host.lower() == "localhost" else host, port)
+        if sock is None:
+            raise TFConfigError(
+                f"Port {port} of {task_type}:{task_id} ({address}) is already in use on "
+                f"this machine. Stop the process holding it, or pick free ports with "
+                f"local_cluster() / `tfdist tf-config --local`."
+            )
+        sock.close()
 
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
@@ -820,7 +921,7 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 888
             f"SLURM job step? Run the command under srun (one task per TensorFlow "
             f"process), e.g. `srun --ntasks-per-node=1 tfdist tf-config --slurm`."
         )
-    if not procid[1].isdigit():
+    if not re.fullmatch(r"[0-9]+", procid[1]):
         raise TFConfigError(f"SLURM_PROCID must be an integer >= 0. Received: {procid[1]!r}.")
     rank = int(procid[1])
     hosts = expand_hostlist(nodelist[1])

@@ -1,18 +1,20 @@
 """`tfdist tf-config`: check the TF_CONFIG of this environment, or generate TF_CONFIGs.
 
-    tfdist tf-config --check                       # validate $TF_CONFIG
+    tfdist tf-config --check [--strategy=multi_worker_mirrored]  # validate $TF_CONFIG
     tfdist tf-config --local --num_workers=2 [--num_ps=1] [--chief] [--evaluator]
     tfdist tf-config --hosts=node1,node2,node3 [--num_ps=1] [--chief] [--port=2222]
     tfdist tf-config --slurm [--num_ps=1]          # inside `srun`: this task's TF_CONFIG
     tfdist tf-config --kubernetes --name=mnist --image=IMAGE --num_workers=2 -- python train.py
 
 Exit codes of --check: 0 valid (one-line summary), 1 invalid (the message,
-no traceback), 2 TF_CONFIG unset. Other errors exit 1 with the message.
+no traceback), 2 TF_CONFIG unset. The generators exit 1 on invalid input
+(the message) and 2 on a usage error (e.g. no mode, a missing flag).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import warnings
@@ -26,6 +28,8 @@ _MODES = ("check", "local", "hosts", "slurm", "kubernetes")
 flags.DEFINE_bool("check", False, "Validate $TF_CONFIG (or --tf_config) and print a summary.")
 flags.DEFINE_string("tf_config", None, "With --check: the TF_CONFIG text to check "
                     "instead of the environment variable.")
+flags.DEFINE_enum("strategy", None, list(cluster_lib.STRATEGY_KINDS),
+                  "With --check: also check the roles this strategy needs.")
 flags.DEFINE_bool("local", False, "Generate TF_CONFIGs for local tasks on free 127.0.0.1 ports.")
 flags.DEFINE_list("hosts", None, "Generate TF_CONFIGs for these machines "
                   "('host' or 'host:port', comma-separated; order: chief, workers, ps, "
@@ -66,7 +70,7 @@ def _err(message: str) -> None:
 def _print_configs(configs: list[cluster_lib.TFConfig], fmt: str) -> None:
     if FLAGS.task:
         task_type, _, index = FLAGS.task.partition(":")
-        if not index.isdigit():
+        if not re.fullmatch(r"[0-9]+", index):
             raise _UsageError(f"--task must look like 'worker:1'. Received: --task={FLAGS.task!r}")
         configs = [c for c in configs if (c.task_type, c.task_id) == (task_type, int(index))]
         if not configs:
@@ -85,10 +89,16 @@ def _check() -> int:
             else:
                 config = cluster_lib.tf_config_from_env()
         except cluster_lib.TFConfigError as e:
-            _err(f"invalid TF_CONFIG: {e}")
+            _err(f"error: {e}")
             return 1
     for w in caught:
         _err(f"warning: {w.message}")
+    if config is not None and FLAGS.strategy:
+        try:
+            cluster_lib.check_cluster_for(config, FLAGS.strategy)
+        except cluster_lib.TFConfigError as e:
+            _err(f"error: {e}")
+            return 1
     if config is None:
         _err("TF_CONFIG is not set (or is empty or '{}'): this process would train on "
              "its own. Set it, e.g. with `tfdist tf-config --local --num_workers=2`.")
@@ -98,10 +108,10 @@ def _check() -> int:
 
 
 def _run(mode: str, extra: list[str]) -> int:
-    if mode == "check":
-        return _check()
     if mode != "kubernetes" and extra:
         raise _UsageError(f"unexpected arguments: {' '.join(extra)}")
+    if mode == "check":
+        return _check()
     fmt = FLAGS.format
     if mode == "kubernetes":
         missing = [f"--{n}" for n in ("name", "image", "num_workers") if getattr(FLAGS, n) is None]
