@@ -18,6 +18,19 @@ _SIZES = flags.DEFINE_list("sizes", ["1024", "1048576"], "Message sizes in bytes
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed all-reduces per size (median kept).")
 
 
+def _make_step(tf, strategy, elements):
+    def replica_fn():
+        value = tf.ones([elements], tf.float32)
+        return tf.distribute.get_replica_context().all_reduce("SUM", value)[0]
+
+    @tf.function
+    def step():
+        # A scalar that depends on the whole collective: fetching it waits for it.
+        return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+
+    return step
+
+
 def main(argv):
     del argv
     from tfdist._tf import import_tensorflow
@@ -28,27 +41,20 @@ def main(argv):
         timeout_seconds=60.0)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     task = strategy.cluster_resolver.task_id
-    points = []
+    steps = {}
     for size in (int(s) for s in _SIZES.value):
-        elements = max(1, size // 4)
-
-        def replica_fn():
-            value = tf.ones([elements], tf.float32)
-            return tf.distribute.get_replica_context().all_reduce("SUM", value)[0]
-
-        @tf.function
-        def step():
-            # A scalar that depends on the whole collective: fetching it waits for it.
-            return strategy.experimental_local_results(strategy.run(replica_fn))[0]
-
+        steps[size] = _make_step(tf, strategy, max(1, size // 4))
         for _ in range(2):  # trace, then warm the collective's buffers
-            step().numpy()
-        seconds = []
-        for _ in range(_REPEATS.value):
+            steps[size]().numpy()
+    # Interleave the sizes (every repeat times each size once) so a change in
+    # machine load hits all sizes alike instead of skewing one of them.
+    seconds = {size: [] for size in steps}
+    for _ in range(_REPEATS.value):
+        for size, step in steps.items():
             start = time.perf_counter()
             step().numpy()
-            seconds.append(time.perf_counter() - start)
-        points.append([size, statistics.median(seconds)])
+            seconds[size].append(time.perf_counter() - start)
+    points = [[size, statistics.median(values)] for size, values in seconds.items()]
     if task == 0:
         print(json.dumps({"points": points}), flush=True)
 

@@ -174,7 +174,7 @@ def _throughput(quick):
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    steps = 6 if quick else 30
+    steps = 6 if quick else 15
     configs = [_Config("plain fit", None, build, data, steps)]
     for n in (1, 2, 4):
         configs.append(_Config(f"tfdist mirrored x{n}",
@@ -189,7 +189,7 @@ def _throughput(quick):
             by_hand = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
             configs.append(_Config("hand-written MirroredStrategy x2", by_hand, build, data,
                                    steps))
-    _interleave(configs, 3 if quick else 9, GLOBAL_BATCH)
+    _interleave(configs, 3 if quick else 15, GLOBAL_BATCH)
     by_name = {c.name: c for c in configs}
     plain = by_name["plain fit"]
     ours, theirs = by_name["tfdist mirrored x2"], by_name["hand-written MirroredStrategy x2"]
@@ -215,7 +215,8 @@ def _throughput(quick):
 
 
 def _matmul_peak(tf, n, chain):
-    """FLOP/s of `chain` dependent n x n fp32 matmuls in one tf.function (all cores)."""
+    """A callable measuring the FLOP/s of `chain` dependent n x n fp32 matmuls
+    in one tf.function (TensorFlow's intra-op pool: all cores)."""
     a = tf.random.normal([n, n], seed=1) / n ** 0.5
 
     @tf.function
@@ -224,10 +225,14 @@ def _matmul_peak(tf, n, chain):
             x = tf.linalg.matmul(x, a)
         return x[0, 0]
 
-    run(a).numpy()
-    start = time.perf_counter()
-    run(a).numpy()
-    return 2.0 * n ** 3 * chain / (time.perf_counter() - start)
+    run(a).numpy()  # trace
+
+    def measure():
+        start = time.perf_counter()
+        run(a).numpy()
+        return 2.0 * n ** 3 * chain / (time.perf_counter() - start)
+
+    return measure
 
 
 def _mfu(quick):
@@ -249,29 +254,36 @@ def _mfu(quick):
     stats = cost.model_stats(build())
     plan = tfdist.plan(stats=stats, global_batch_size=MFU_BATCH, optimizer="sgd")
     presets = [plan.recommended or "default", "mirrored"]
-    steps = 2 if quick else 8
+    steps = 2 if quick else 5
     configs = []
     for preset in dict.fromkeys(presets):
         options = {"num_devices": 2} if preset == "mirrored" else {}
         strategy = tfdist.make_strategy(preset, **options)
         label = preset + (" x2" if preset == "mirrored" else "")
         configs.append(_Config(label, strategy, build, data, steps))
-    peaks = []
     for config in configs:
         config.warm_up()
-    for r in range(2 if quick else 5):
-        peaks.append(_matmul_peak(tf, 2048, 3 if quick else 12))
+    peak_of = _matmul_peak(tf, 2048, 2 if quick else 6)
+    peaks = []
+    for r in range(3 if quick else 9):
+        # The peak is measured in every round, next to the training rounds, and
+        # utilisation is the median of per-round ratios: load drift cancels.
+        peaks.append(peak_of())
         for config in _round_order(configs, r):
             config.time_round(MFU_BATCH)
-    peak = statistics.median(peaks)
     best = max(configs, key=lambda c: c.median)
-    achieved = best.median * stats.train_flops_per_example
+    flops = stats.train_flops_per_example
+    per_round = [s * flops / p for s, p in zip(best.samples_per_sec, peaks)]
+    utilisation = statistics.median(per_round)
+    peak = statistics.median(peaks)
+    achieved = best.median * flops
     rows = [
-        _row(f"model FLOP utilisation ({best.name})", achieved / peak, "fraction of peak",
+        _row(f"model FLOP utilisation ({best.name})", utilisation, "fraction of peak",
              MFU_TARGET,
-             f"{achieved / 1e9:.0f} GFLOP/s achieved (MLP 1024-2048x3-1024, SGD, batch "
-             f"{MFU_BATCH}, {stats.train_flops_per_example / 1e6:.1f} MFLOP/example = 3x "
-             f"forward matmuls) vs {peak / 1e9:.0f} GFLOP/s fp32 matmul peak; planner "
+             f"median of per-round achieved/peak (range {min(per_round):.2f}-"
+             f"{max(per_round):.2f}); medians {achieved / 1e9:.0f} GFLOP/s achieved "
+             f"(MLP 1024-2048x3-1024, SGD, batch {MFU_BATCH}, {flops / 1e6:.1f} "
+             f"MFLOP/example = 3x forward matmuls) vs {peak / 1e9:.0f} GFLOP/s fp32 matmul peak; planner "
              f"recommended {plan.recommended}"),
         _row("fp32 matmul peak, all cores", peak / 1e9, "GFLOP/s", None,
              "2048x2048 matmul chain in one tf.function; absolute: this machine"),
@@ -333,7 +345,7 @@ def _allreduce(quick):
     from tfdist import cost
 
     sizes = QUICK_SIZES if quick else FULL_SIZES
-    points = measure_allreduce(sizes, 5 if quick else 20)
+    points = measure_allreduce(sizes, 5 if quick else 25)
     link, calibrate, predictions, errors = validate_allreduce(points)
     within = sum(e <= ALLREDUCE_TOLERANCE for e in errors)
     rows = [

@@ -51,6 +51,7 @@ def test_check_row_rejects_non_numbers():
                              "ratio": None, "note": ""}, "m")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_quick_run_writes_the_report(tmp_path):
     out, docs = tmp_path / "results", tmp_path / "docs"

@@ -366,8 +366,10 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                                                           link=network),
             compute_time=None if per_worker is None else compute(per_worker),
             registered="parameter_server" in registered,
-            note=(f"{h} workers (one per machine) and {ps} parameter server(s) holding the "
-                  f"variables and optimizer state; asynchronous updates"
+            note=(f"{h} workers (one per machine) and {ps} parameter server(s), each holding "
+                  f"{cost.format_bytes(stats.trainable_bytes * (1 + opt.slots_per_variable) / ps)}"
+                  " of variables and optimizer state (server memory is not checked: it is "
+                  "not recommended, only compared); asynchronous updates"
                   if per_worker is not None else
                   f"global batch {batch} does not divide over {h} workers")))
 
