@@ -80,7 +80,47 @@ def check_row(row: dict, source: str) -> dict:
     if not isinstance(row["value"], (int, float)) or isinstance(row["value"], bool):
         raise ValueError(f"{source}: row {row['name']!r} value must be a number. "
                          f"Received: value={row['value']!r}")
-    return {**{k: row[k] for k in ROW_KEYS}, "source": source}
+    checked = {**{k: row[k] for k in ROW_KEYS}, "source": source}
+    if isinstance(row.get("points"), list):  # raw (bytes, seconds) all-reduce points
+        checked["points"] = row["points"]
+    return checked
+
+
+def validate_points_rows(rows: list[dict]) -> tuple[list[dict], dict]:
+    """Cost-model rows for raw all-reduce points other modules report.
+
+    A row with "points" ([{"bytes": k, "seconds": t}, ...] or [[k, t], ...],
+    2 workers) is moved into the details, and the alpha-beta model is
+    calibrated on every other size and judged on the rest, as for
+    bench_presets' own measurement.
+    """
+    from experiments import bench_presets
+    from tfdist import cost
+
+    new_rows, details = [], {}
+    for row in rows:
+        raw = row.pop("points", None)
+        if not raw:
+            continue
+        points = [(p["bytes"], p["seconds"]) if isinstance(p, dict) else tuple(p) for p in raw]
+        try:
+            link, calibrate, predictions, errors = bench_presets.validate_allreduce(points)
+        except ValueError as error:
+            details[row["source"]] = {"points": points, "error": str(error)}
+            continue
+        within = sum(e <= bench_presets.ALLREDUCE_TOLERANCE for e in errors)
+        new_rows.append({
+            "name": f"all-reduce model error on {row['source']}'s points (held-out sizes, max)",
+            "value": max(errors), "unit": "relative error",
+            "target": bench_presets.ALLREDUCE_TOLERANCE,
+            "ratio": max(errors) / bench_presets.ALLREDUCE_TOLERANCE,
+            "note": f"{within}/{len(errors)} held-out sizes within +-30%; alpha "
+                    f"{cost.format_seconds(link.latency)}, bandwidth "
+                    f"{link.bandwidth / 1e9:.2f} GB/s (lower is better: ratio <= 1 passes)",
+            "source": "benchmark"})
+        details[row["source"]] = {"points": points, "alpha": link.latency,
+                                  "bandwidth": link.bandwidth, "predictions": predictions}
+    return new_rows, details
 
 
 def run_module(name: str, *, quick: bool, timeout: float, root: str) -> tuple[str, list[dict]]:
@@ -200,6 +240,8 @@ def main(argv):
         modules[name] = status
         rows += module_rows
         print(f"benchmark: {name}: {status}", flush=True)
+    model_rows, details["cost_model_on_module_points"] = validate_points_rows(rows)
+    rows += model_rows
     report = {
         "command": "python -m experiments.benchmark" + (" --quick" if quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -81,3 +81,22 @@ def test_quick_run_writes_the_report(tmp_path):
     for png in report["plots"]:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (docs / png).exists()
+
+
+def test_points_from_other_modules_validate_the_cost_model():
+    from tfdist import cost
+
+    link = cost.Link(bandwidth=1e9, latency=1e-4)
+    sizes = [2**k for k in range(10, 27, 2)]
+    raw = [{"bytes": k, "seconds": cost.ring_allreduce_time(k, 2, link)} for k in sizes]
+    rows = [{"name": "allreduce_points", "value": 9.0, "unit": "points", "target": None,
+             "ratio": None, "note": "", "source": "bench_multiworker", "points": raw},
+            {"name": "other", "value": 1.0, "unit": "", "target": None, "ratio": None,
+             "note": "", "source": "bench_ps"}]
+    new_rows, details = benchmark.validate_points_rows(rows)
+    assert "points" not in rows[0]  # moved to the details
+    assert len(new_rows) == 1 and new_rows[0]["value"] < 1e-6
+    assert new_rows[0]["name"].startswith("all-reduce model error on bench_multiworker's")
+    assert details["bench_multiworker"]["bandwidth"] == pytest.approx(1e9)
+    kept = benchmark.check_row({**rows[1], "points": [[1, 2.0]]}, "m")
+    assert kept["points"] == [[1, 2.0]]
