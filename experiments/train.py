@@ -80,12 +80,14 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
     timer = _EpochTimer()
     callbacks = [timer]
     if model_dir:
-        callbacks.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
+        # Multi-worker: only the chief writes into model_dir (tfdist.chief_path).
+        callbacks.append(keras.callbacks.TensorBoard(
+            tfdist.chief_path(os.path.join(model_dir, "logs"))))
     history = model.fit(train, epochs=epochs, steps_per_epoch=steps, callbacks=callbacks,
                         verbose=verbose, shuffle=False)  # the dataset is already shuffled
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
     if model_dir:
-        model.save(os.path.join(model_dir, "model.keras"))
+        model.save(tfdist.chief_path(os.path.join(model_dir, "model.keras")))
     steady = timer.epoch_seconds[1:] or timer.epoch_seconds
     return {
         "preset": strategy_options.preset,
@@ -111,7 +113,9 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     tfdist_flags.apply_verbosity()
     try:
-        tfdist_flags.apply_device_flags()
+        if FLAGS.strategy != "multi_worker_mirrored":
+            # MWMS must start the runtime itself (one device per worker on CPUs).
+            tfdist_flags.apply_device_flags()
         metrics = run(
             strategy_options=tfdist_flags.strategy_options_from_flags(),
             model_name=FLAGS.model, dataset_name=FLAGS.dataset,
@@ -124,8 +128,10 @@ def main(argv):
     print(f"tfdist: held-out accuracy {metrics['test_accuracy']:.4f}, "
           f"{metrics['samples_per_sec']:.0f} samples/s, {metrics['wall_time_s']:.1f} s wall")
     if FLAGS.metrics_out:
+        from tfdist.chief import chief_path
+
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.metrics_out)), exist_ok=True)
-        with open(FLAGS.metrics_out, "w") as f:
+        with open(chief_path(FLAGS.metrics_out), "w") as f:
             json.dump(metrics, f, indent=2)
 
 

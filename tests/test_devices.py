@@ -58,3 +58,16 @@ def test_bad_device_type_is_rejected():
     with pytest.raises(ValueError, match="device_type must be 'CPU' or 'GPU'. Received: "
                                          "device_type='TPU'"):
         tfdist.configure_logical_devices(2, device_type="TPU")
+
+
+def test_configuring_does_not_start_the_runtime():
+    # Multi-worker collectives must be configured before the runtime starts.
+    result = run_python("-c", """
+import tfdist, tensorflow as tf
+from tensorflow.python.eager import context
+print(tfdist.configure_logical_devices(2))
+print("initialized:", context.context()._initialized)
+""")
+    assert result.returncode == 0, result.stderr
+    assert "['/device:CPU:0', '/device:CPU:1']" in result.stdout
+    assert "initialized: False" in result.stdout

@@ -33,6 +33,8 @@ _EXPORTS = {
     "OneDeviceOptions": "tfdist.config",
     "MirroredOptions": "tfdist.config",
     "per_replica_batch_size": "tfdist.config",
+    # TensorFlow without its C++ start-up lines
+    "import_tensorflow": "tfdist._tf",
     # devices
     "configure_logical_devices": "tfdist.devices",
     "configure_threads": "tfdist.devices",
@@ -57,6 +59,15 @@ _EXPORTS = {
     "to_yaml": "tfdist.cluster",
     "check_cluster_for": "tfdist.cluster",
     "check_local_ports": "tfdist.cluster",
+    # multi-worker: preset options, chief-only writing, launcher, exact resume
+    "MultiWorkerMirroredOptions": "tfdist.config",
+    "is_chief": "tfdist.chief",
+    "chief_path": "tfdist.chief",
+    "LaunchResult": "tfdist.launch",
+    "BackupAndRestore": "tfdist.checkpoint",
+    # notebooks
+    "notebook_launcher": "tfdist.notebook",
+    "NotebookLaunchError": "tfdist.notebook",
     # cost model, planner, auto preset, monitoring (tfdist.cost holds the hardware specs)
     "plan": "tfdist.planner",
     "Plan": "tfdist.planner",

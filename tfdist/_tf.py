@@ -62,7 +62,14 @@ def _stderr_filtered():
 
 
 def import_tensorflow():
-    """Returns the `tensorflow` module, imported quietly the first time."""
+    """Returns the `tensorflow` module, imported quietly the first time.
+
+    Call it before `import keras` (which imports TensorFlow itself) to keep
+    TensorFlow's C++ start-up lines out of your output:
+
+        tf = tfdist.import_tensorflow()
+        import keras
+    """
     if "tensorflow" in sys.modules:
         return sys.modules["tensorflow"]
     if not quiet_requested():

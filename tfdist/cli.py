@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "presets": ("tfdist.commands.presets", "List the strategy presets, their options and needs."),
     "tf-config": ("tfdist.commands.tf_config",
                   "Check $TF_CONFIG, or generate TF_CONFIGs (local, hosts, SLURM, Kubernetes)."),
+    "launch": ("tfdist.commands.launch",
+               "Run a script as N local tasks, each with its own TF_CONFIG; supervise, restart."),
     # cost model / planner
     "plan": ("tfdist.commands.plan",
              "Cost a model on a machine or cluster (memory, communication) and pick a preset."),

@@ -179,6 +179,73 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
     return global_batch_size // num_replicas
 
 
+# --- multi_worker_mirrored ----------------------------------------------------
+
+CommunicationImplementation = Literal["auto", "ring", "nccl"]
+COMMUNICATION_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "ring", "nccl")
+
+
+def _check_seconds(name: str, value: Any, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        none_hint = " or None (no limit)" if allow_none else ""
+        raise ValueError(
+            f"{name} must be a number of seconds > 0{none_hint}. Received: {name}={value!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MultiWorkerMirroredOptions(PresetOptions):
+    """Synchronous data parallelism over several processes/machines (MultiWorkerMirroredStrategy).
+
+    The cluster comes from TF_CONFIG (set by `tfdist launch`, SLURM or
+    Kubernetes); without TF_CONFIG this is a 1-worker run on this machine.
+
+    Attributes:
+      communication: the cross-worker all-reduce. "auto" lets TensorFlow pick
+        (ring on CPUs), "ring" is gRPC ring all-reduce, "nccl" needs GPUs on
+        every worker.
+      bytes_per_pack: pack gradients into chunks of about this many bytes
+        per all-reduce (0: TensorFlow's default, one pack).
+      collective_timeout: seconds after which a stuck collective fails
+        instead of waiting (None: no limit; a dead peer is still detected by
+        the heartbeat in ~10 s).
+      join_timeout: seconds to wait for every task to join when the strategy
+        is created. TensorFlow waits forever; tfdist stops the process with an
+        error naming the tasks that never joined.
+    """
+
+    preset: ClassVar[str] = "multi_worker_mirrored"
+    communication: CommunicationImplementation = dataclasses.field(default="auto", metadata={
+        "help": "multi_worker_mirrored: cross-worker all-reduce: auto (TF picks; ring on CPUs), "
+                "ring (gRPC ring), nccl (GPUs only)."})
+    bytes_per_pack: int = dataclasses.field(default=0, metadata={
+        "help": "multi_worker_mirrored: split gradients into all-reduce packs of about this "
+                "many bytes (0: one pack)."})
+    collective_timeout: float | None = dataclasses.field(default=None, metadata={
+        "help": "multi_worker_mirrored: seconds before a stuck collective fails (default: "
+                "no limit)."})
+    join_timeout: float = dataclasses.field(default=120.0, metadata={
+        "help": "multi_worker_mirrored: seconds to wait for every task to join before "
+                "failing with the names of the missing tasks."})
+
+    def __post_init__(self):
+        if self.communication not in COMMUNICATION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"communication must be one of {', '.join(COMMUNICATION_IMPLEMENTATIONS)}. "
+                f"Received: communication={self.communication!r}"
+            )
+        if isinstance(self.bytes_per_pack, bool) or not isinstance(
+                self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(
+                "bytes_per_pack must be an integer >= 0 (0: one pack). Received: "
+                f"bytes_per_pack={self.bytes_per_pack!r}"
+            )
+        _check_seconds("collective_timeout", self.collective_timeout, allow_none=True)
+        _check_seconds("join_timeout", self.join_timeout, allow_none=False)
+
+
 # --- auto (cost model / planner) ---------------------------------------------------
 
 

@@ -74,9 +74,12 @@ def configure_logical_devices(
         wanted = [tf.config.LogicalDeviceConfiguration(memory_limit=limit)] * num_devices
     else:
         wanted = [tf.config.LogicalDeviceConfiguration()] * num_devices
+    # The names are derived, not listed: listing logical devices would start
+    # the runtime, and multi-worker collectives must be configured before that.
+    names = [f"/device:{device_type}:{i}" for i in range(num_devices)]
     current = tf.config.get_logical_device_configuration(physical[0])
     if current is not None and len(current) == num_devices:
-        return logical_device_names(device_type)
+        return names
     try:
         tf.config.set_logical_device_configuration(physical[0], wanted)
     except RuntimeError:
@@ -90,7 +93,7 @@ def configure_logical_devices(
             "(or pass --logical_devices) before creating any TensorFlow tensor, Keras model "
             "or strategy, or restart the process (in a notebook: restart the kernel)."
         ) from None
-    return logical_device_names(device_type)
+    return names
 
 
 def logical_device_names(device_type: DeviceType = "CPU") -> list[str]:

@@ -226,6 +226,22 @@ def _cross_device_ops(tf, name: str, devices: tuple[str, ...]):
     raise AssertionError(name)  # config validation makes this unreachable
 
 
+# --- multi_worker_mirrored ------------------------------------------------------
+
+
+@register_preset(
+    "multi_worker_mirrored",
+    options=config_lib.MultiWorkerMirroredOptions,
+    summary="Synchronous data parallelism over several processes/machines "
+            "(MultiWorkerMirroredStrategy, ring all-reduce); Keras 3 fit fixed.",
+    needs="TF_CONFIG with chief/worker tasks (set by `tfdist launch`); none for 1 worker",
+)
+def _multi_worker_mirrored(options: config_lib.MultiWorkerMirroredOptions):
+    from tfdist import multi_worker
+
+    return multi_worker.build_strategy(options)
+
+
 # --- auto (cost model / planner) ---------------------------------------------------
 
 
