@@ -68,6 +68,9 @@ _EXPORTS = {
     # notebooks
     "notebook_launcher": "tfdist.notebook",
     "NotebookLaunchError": "tfdist.notebook",
+    # parameter-server training
+    "ParameterServerOptions": "tfdist.config",
+    "ParameterServerError": "tfdist.ps",
     # cost model, planner, auto preset, monitoring (tfdist.cost holds the hardware specs)
     "plan": "tfdist.planner",
     "Plan": "tfdist.planner",

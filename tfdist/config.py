@@ -246,6 +246,112 @@ class MultiWorkerMirroredOptions(PresetOptions):
         _check_seconds("join_timeout", self.join_timeout, allow_none=False)
 
 
+# --- parameter_server ----------------------------------------------------------
+
+
+def _check_optional_int(name: str, value: Any, minimum: int, fix: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"{name} must be an integer >= {minimum}. Received: {name}={value!r}. {fix}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParameterServerOptions(PresetOptions):
+    """Asynchronous parameter-server training (`ParameterServerStrategy`).
+
+    With `local_workers`/`local_ps`, the workers and parameter servers are
+    `tf.distribute.Server`s started inside this process on 127.0.0.1 (one
+    machine, notebooks, tests). Without them, the cluster comes from
+    TF_CONFIG: the chief runs the training script as coordinator, and worker
+    and ps tasks that call `make_strategy` run their TensorFlow server until
+    they are stopped.
+
+    Attributes:
+      local_workers: number of in-process workers (needs `local_ps` too).
+      local_ps: number of in-process parameter servers.
+      shard_count: split every variable into this many shards along its first
+        axis (FixedShardsPartitioner). Exclusive with `min_shard_bytes`.
+      min_shard_bytes: split variables into shards of at least this many
+        bytes (MinSizePartitioner), at most `max_shards` of them.
+      max_shards: upper bound on shards per variable with `min_shard_bytes`
+        (default: the number of parameter servers).
+      connect_timeout: seconds to wait for every worker and ps to accept
+        connections before giving up with an error that names the address.
+    """
+
+    preset: ClassVar[str] = "parameter_server"
+    local_workers: int | None = dataclasses.field(default=None, metadata={
+        "help": "parameter_server: run N workers in this process (with --local_ps); "
+                "default: the cluster from TF_CONFIG."})
+    local_ps: int | None = dataclasses.field(default=None, metadata={
+        "help": "parameter_server: run N parameter servers in this process (with "
+                "--local_workers)."})
+    shard_count: int | None = dataclasses.field(default=None, metadata={
+        "help": "parameter_server: split each variable into N shards along axis 0 "
+                "(exclusive with --min_shard_bytes)."})
+    min_shard_bytes: int | None = dataclasses.field(default=None, metadata={
+        "help": "parameter_server: split variables into shards of at least this many "
+                "bytes (at most --max_shards)."})
+    max_shards: int | None = dataclasses.field(default=None, metadata={
+        "help": "parameter_server: at most N shards per variable with --min_shard_bytes "
+                "(default: the number of ps)."})
+    connect_timeout: float = dataclasses.field(default=60.0, metadata={
+        "help": "parameter_server: seconds to wait for every worker and ps to be reachable."})
+
+    def __post_init__(self):
+        _check_optional_int("local_workers", self.local_workers, 1,
+                            "Pass local_workers=N (N >= 1) with local_ps=M, or neither to "
+                            "use TF_CONFIG.")
+        _check_optional_int("local_ps", self.local_ps, 1,
+                            "Parameter-server training needs at least one ps.")
+        if (self.local_workers is None) != (self.local_ps is None):
+            raise ValueError(
+                "Pass local_workers and local_ps together (an in-process cluster), or "
+                "neither (the cluster from TF_CONFIG). Received: "
+                f"local_workers={self.local_workers!r}, local_ps={self.local_ps!r}."
+            )
+        _check_optional_int("shard_count", self.shard_count, 1,
+                            "Use shard_count=2 or more to split variables, or leave it unset.")
+        _check_optional_int("min_shard_bytes", self.min_shard_bytes, 1,
+                            "Use a size such as min_shard_bytes=262144 (256 KiB).")
+        _check_optional_int("max_shards", self.max_shards, 1,
+                            "Use max_shards=2 or more (usually the number of ps).")
+        if self.shard_count is not None and (
+                self.min_shard_bytes is not None or self.max_shards is not None):
+            raise ValueError(
+                "Pass either shard_count (a fixed number of shards) or min_shard_bytes "
+                "[+ max_shards] (shards of a minimum size), not both. Received: "
+                f"shard_count={self.shard_count!r}, min_shard_bytes={self.min_shard_bytes!r}, "
+                f"max_shards={self.max_shards!r}."
+            )
+        if self.max_shards is not None and self.min_shard_bytes is None:
+            raise ValueError(
+                "max_shards only bounds min_shard_bytes sharding. Received: "
+                f"max_shards={self.max_shards!r} without min_shard_bytes. Add "
+                "min_shard_bytes=..., or use shard_count=N for a fixed count."
+            )
+        if (isinstance(self.connect_timeout, bool)
+                or not isinstance(self.connect_timeout, (int, float))
+                or not self.connect_timeout > 0):
+            raise ValueError(
+                "connect_timeout must be a number of seconds > 0. Received: "
+                f"connect_timeout={self.connect_timeout!r}."
+            )
+
+    @property
+    def is_local(self) -> bool:
+        """True when the cluster runs inside this process."""
+        return self.local_workers is not None
+
+    @property
+    def shards_variables(self) -> bool:
+        """True when a variable partitioner is configured."""
+        return self.shard_count is not None or self.min_shard_bytes is not None
+
+
 # --- auto (cost model / planner) ---------------------------------------------------
 
 

@@ -242,6 +242,23 @@ def _multi_worker_mirrored(options: config_lib.MultiWorkerMirroredOptions):
     return multi_worker.build_strategy(options)
 
 
+# --- parameter_server (tfdist/ps.py) --------------------------------------------
+
+
+@register_preset(
+    "parameter_server",
+    options=config_lib.ParameterServerOptions,
+    summary="Asynchronous parameter-server training (ParameterServerStrategy + "
+            "ClusterCoordinator) with plain model.fit.",
+    needs="an in-process cluster (local_workers, local_ps) or a TF_CONFIG cluster with "
+          "a chief, 1+ workers and 1+ ps",
+)
+def _parameter_server(options: config_lib.ParameterServerOptions):
+    from tfdist import ps
+
+    return ps.make_strategy(options)
+
+
 # --- auto (cost model / planner) ---------------------------------------------------
 
 
