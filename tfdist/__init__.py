@@ -78,6 +78,15 @@ _EXPORTS = {
     "placement_report": "tfdist.split.report",
     "plan_balanced": "tfdist.split.balance",
     "plan_from_rules": "tfdist.split.balance",
+
+    # cost model, planner, auto preset, monitoring (tfdist.cost holds the hardware specs)
+    "plan": "tfdist.planner",
+    "Plan": "tfdist.planner",
+    "this_machine": "tfdist.planner",
+    "model_stats": "tfdist.cost",
+    "AutoOptions": "tfdist.config",
+    "choose_preset": "tfdist.strategies",
+    "ThroughputMonitor": "tfdist.callbacks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "Check $TF_CONFIG, or generate TF_CONFIGs (local, hosts, SLURM, Kubernetes)."),
     "launch": ("tfdist.commands.launch",
                "Run a script as N local tasks, each with its own TF_CONFIG; supervise, restart."),
+    # cost model / planner
+    "plan": ("tfdist.commands.plan",
+             "Cost a model on a machine or cluster (memory, communication) and pick a preset."),
 }
 
 

@@ -408,3 +408,18 @@ class SplitOptions:
     @property
     def enabled(self) -> bool:
         return self.split != "none"
+
+
+# --- auto (cost model / planner) ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoOptions(PresetOptions):
+    """Picks the preset from the environment (see `tfdist.strategies.choose_preset`).
+
+    TF_CONFIG with ps tasks -> parameter_server; TF_CONFIG with several
+    training tasks -> multi_worker_mirrored; several GPUs -> mirrored; else
+    default. The chosen preset runs with its default options.
+    """
+
+    preset: ClassVar[str] = "auto"

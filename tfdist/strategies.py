@@ -267,3 +267,63 @@ def _parameter_server(options: config_lib.ParameterServerOptions):
     from tfdist import ps
 
     return ps.make_strategy(options)
+
+
+# --- auto (cost model / planner) ---------------------------------------------------
+
+
+def choose_preset(*, environ=None, num_gpus: int | None = None) -> tuple[str, str]:
+    """The preset `auto` picks, and why (no TensorFlow needed when `num_gpus` is given).
+
+    Args:
+      environ: the environment to read TF_CONFIG from (default `os.environ`).
+      num_gpus: this process's GPU count (default: ask TensorFlow).
+
+    Returns:
+      (preset name, reason). The preset may not be registered in this
+      installation; `make_strategy("auto")` checks that.
+
+    Raises:
+      ValueError: TF_CONFIG is set but invalid (a `tfdist.TFConfigError`).
+    """
+    from tfdist import cluster as cluster_lib
+
+    tf_config = cluster_lib.tf_config_from_env(environ)
+    if tf_config is not None:
+        c = tf_config.cluster
+        if c.num_ps > 0:
+            return "parameter_server", (
+                f"TF_CONFIG describes a cluster with {c.num_ps} ps task(s) ({c.sizes()})")
+        if c.num_training_tasks > 1:
+            return "multi_worker_mirrored", (
+                f"TF_CONFIG describes {c.num_training_tasks} training tasks and no ps "
+                f"({c.sizes()})")
+    if num_gpus is None:
+        num_gpus = len(import_tensorflow().config.list_logical_devices("GPU"))
+    where = "no TF_CONFIG cluster" if tf_config is None else "TF_CONFIG has one training task"
+    if num_gpus > 1:
+        return "mirrored", f"{where} and {num_gpus} GPUs on this machine"
+    gpus = "one GPU" if num_gpus == 1 else "no GPU"
+    return "default", f"{where} and {gpus}: nothing to distribute over"
+
+
+@register_preset(
+    "auto",
+    options=config_lib.AutoOptions,
+    summary="Picks the preset from TF_CONFIG and the GPUs: parameter_server, "
+            "multi_worker_mirrored, mirrored or default.",
+    needs="nothing (uses what the environment provides)",
+)
+def _auto(options: config_lib.AutoOptions):
+    del options
+    name, reason = choose_preset()
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"Preset 'auto' chose {name!r} because {reason}, but preset {name!r} is not "
+            f"registered in this installation (available: {', '.join(available_presets())}). "
+            "Use a tfdist version that provides it, or pick a preset explicitly "
+            "(--strategy=NAME) and unset TF_CONFIG if it is not meant for this process."
+        )
+    logger.info("tfdist: auto chose preset %r because %s.", name, reason)
+    chosen = get_preset(name)
+    return chosen.factory(chosen.options())

@@ -1,0 +1,175 @@
+"""Memory accounting against the real variables, gradients and optimizer slots of Keras models."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tfdist import cost
+from tfdist._tf import import_tensorflow
+
+tf = import_tensorflow()
+import keras  # noqa: E402
+
+
+def _nbytes(tensors):
+    return sum(math.prod(t.shape) * np.dtype(t.dtype.name if hasattr(t.dtype, "name")
+                                             else t.dtype).itemsize for t in tensors)
+
+
+def _mlp():
+    return keras.Sequential([
+        keras.Input((20,)), keras.layers.Dense(64, activation="relu"),
+        keras.layers.BatchNormalization(), keras.layers.Dropout(0.1), keras.layers.Dense(10),
+    ], name="mlp")
+
+
+def _cnn():
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Conv2D(16, 3)(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(5)(x), name="cnn")
+
+
+def _transformer():
+    inputs = keras.Input((12,), dtype="int32")
+    x = keras.layers.Embedding(50, 16)(inputs)
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x, x)
+    x = keras.layers.LayerNormalization()(x + attention)
+    x = keras.layers.Dense(32, activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3)(x), name="transformer")
+
+
+def _nested():
+    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)], name="inner")
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(2)(inner(inputs)), name="outer")
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer, "nested": _nested}
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(),
+    "momentum": lambda: keras.optimizers.SGD(momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(),
+    "adamw": lambda: keras.optimizers.AdamW(),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(amsgrad=True),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(),
+    "nadam": lambda: keras.optimizers.Nadam(),
+    "lion": lambda: keras.optimizers.Lion(),
+    "adam_schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)),
+    "adam_ema": lambda: keras.optimizers.Adam(use_ema=True),
+    "adam_accumulate": lambda: keras.optimizers.Adam(gradient_accumulation_steps=2),
+    "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+}
+
+
+def _inputs(model, batch):
+    spec = model.inputs[0]
+    shape = (batch,) + tuple(spec.shape[1:])
+    if "int" in str(spec.dtype):
+        return np.random.default_rng(0).integers(0, 50, size=shape).astype("int32")
+    return np.random.default_rng(0).normal(size=shape).astype("float32")
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_params_and_grads_equal_the_real_variables_and_gradients(model_name):
+    model = MODELS[model_name]()
+    stats = cost.model_stats(model)
+    memory = cost.replica_memory(stats, per_replica_batch_size=4, optimizer="sgd")
+    assert memory.parameters == _nbytes(model.trainable_variables)
+    assert stats.num_params == model.count_params() - sum(
+        math.prod(w.shape) for w in model.non_trainable_weights)
+    assert memory.non_trainable == _nbytes(model.non_trainable_variables)
+    with tf.GradientTape() as tape:
+        out = model(_inputs(model, 4), training=True)
+        loss = tf.reduce_mean(out ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    assert memory.gradients == _nbytes(grads)
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", ["mlp", "transformer"])
+def test_optimizer_state_equals_the_built_optimizer_variables(model_name, optimizer_name):
+    model = MODELS[model_name]()
+    optimizer = OPTIMIZERS[optimizer_name]()
+    optimizer.build(model.trainable_variables)
+    memory = cost.replica_memory(cost.model_stats(model), per_replica_batch_size=1,
+                                 optimizer=cost.optimizer_state(optimizer))
+    assert memory.optimizer == _nbytes(optimizer.variables)
+
+
+def test_compiled_optimizer_is_read_by_the_planner():
+    import tfdist
+
+    model = _mlp()
+    model.compile(optimizer=keras.optimizers.SGD(momentum=0.9), loss="mse")
+    plan = tfdist.plan(model, global_batch_size=8, machine=cost.Machine(
+        device=cost.Device(kind="CPU", memory=2**30), link=cost.Link(bandwidth=1e9)))
+    assert plan.optimizer.slots_per_variable == 1
+    assert plan.recommended == "default"
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+def test_activations_are_the_layer_outputs(model_name):
+    model = MODELS[model_name]()
+    stats = cost.model_stats(model)
+    # Independent count: run a model returning every layer's output.
+    probe = keras.Model(model.inputs[0], [layer.output for layer in model.layers
+                                       if not isinstance(layer, keras.layers.InputLayer)])
+    batch = 3
+    values = probe(_inputs(model, batch))
+    assert stats.activation_bytes_per_example * batch == _nbytes(values)
+    memory = cost.replica_memory(stats, per_replica_batch_size=batch)
+    assert memory.activations == _nbytes(values)
+
+
+def test_nested_models_are_expanded_into_their_layers():
+    stats = cost.model_stats(_nested())
+    assert [layer.output_shape for layer in stats.layers] == [(4,), (2,)]
+    assert stats.activation_bytes_per_example == (4 + 2) * 4
+    assert stats.forward_flops_per_example == 2 * (6 * 4 + 4 * 2)
+
+
+def test_flops_by_hand():
+    stats = cost.model_stats(_mlp())
+    assert stats.forward_flops_per_example == 2 * (20 * 64 + 64 * 10)
+    cnn = cost.model_stats(_cnn())
+    # conv1: 3x3x3x8 kernel at 16x16 positions; conv2: 3x3x8x16 at 6x6; dense 16x5.
+    assert cnn.forward_flops_per_example == 2 * (3 * 3 * 3 * 8 * 256 + 3 * 3 * 8 * 16 * 36
+                                                 + 16 * 5)
+    assert [layer.class_name for layer in cnn.layers][:2] == ["Conv2D", "MaxPooling2D"]
+
+
+def test_unbuilt_model_is_rejected():
+    model = keras.Sequential([keras.layers.Dense(3)], name="lazy")
+    with pytest.raises(ValueError, match=r"Model 'lazy' is not built \(it has no variables yet\)"):
+        cost.model_stats(model)
+
+
+def test_subclassed_model_without_symbolic_outputs_is_rejected():
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__(name="sub")
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Sub()
+    model(np.zeros((1, 4), "float32"))
+    with pytest.raises(ValueError, match=r"Cannot analyse layer 'dense.*' \(Dense\): it has no "
+                                         r"symbolic output.*from_param_count"):
+        cost.model_stats(model)
+
+
+def test_unknown_dimensions_are_rejected():
+    inputs = keras.Input((None, 4))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs), name="ragged")
+    with pytest.raises(ValueError, match=r"output shape \(None, None, 2\) has unknown "
+                                         r"dimensions besides the batch"):
+        cost.model_stats(model)

@@ -1,0 +1,300 @@
+"""The planner: recommendations checked against device memory, the `auto` preset, the CLI."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tfdist
+from tfdist import cost, planner, strategies
+
+GB = 10**9
+GiB = 2**30
+
+
+def _node(num_devices=8, memory="80GB", bandwidth="300GB/s", latency="5us", flops=None):
+    return cost.Machine(
+        device=cost.Device(kind="GPU", memory=cost.parse_bytes(memory), peak_flops=flops),
+        num_devices=num_devices,
+        link=cost.Link(bandwidth=cost.parse_bandwidth(bandwidth),
+                       latency=cost.parse_duration(latency)))
+
+
+def _stats(params, act=0, flops=None):
+    return cost.ModelStats.from_param_count(int(params), activation_bytes_per_example=act,
+                                            forward_flops_per_example=flops)
+
+
+def test_one_billion_params_on_8x80gb_is_mirrored_with_the_numbers():
+    plan = tfdist.plan(stats=_stats(1e9, act=10**6), global_batch_size=512, machine=_node())
+    assert plan.recommended == "mirrored"
+    mirrored = plan.candidate("mirrored")
+    assert mirrored.per_replica_batch_size == 64
+    # weights 4e9 + grads 4e9 + Adam 8e9 (+12 scalar bytes) + activations 64 x 1e6
+    assert mirrored.memory.total == 16 * 10**9 + 12 + 64 * 10**6
+    assert mirrored.communication_bytes == pytest.approx(2 * 7 / 8 * 4e9)
+    assert mirrored.communication_time == pytest.approx(14 * 5e-6 + 2 * 7 / 8 * 4e9 / 300e9)
+    assert any("ring all-reduce sends 6.52 GiB per rank" in r for r in plan.reasons)
+    assert plan.split is None
+
+
+def test_model_too_big_for_one_device_gets_a_checked_split():
+    plan = tfdist.plan(stats=_stats(7e9), global_batch_size=512, machine=_node())
+    assert plan.recommended == "split"
+    assert not plan.candidate("mirrored").fits and not plan.candidate("default").fits
+    split = plan.split
+    # 7e9 x 16 bytes = 112 GB: two stages of 56 GB fit in 80 GB, one does not.
+    assert split.stages == 2 and split.data_parallel_groups == 4
+    assert split.stage_memory.total == 56 * 10**9 + 12
+    assert split.stage_memory.total <= 80 * GB
+    assert split.micro_batches == 4 and split.bubble == pytest.approx(0.2)
+    assert split.ideal_speedup == pytest.approx(1.6)
+    assert plan.candidate("split").fits
+    assert any("No data-parallel replica fits one device" in r for r in plan.reasons)
+
+
+def test_nothing_fits_recommends_nothing_and_says_why():
+    plan = tfdist.plan(stats=_stats(7e10), global_batch_size=512, machine=_node())
+    assert plan.recommended is None and plan.split is None
+    assert any("Even split over all 8 devices the model does not fit" in r and
+               "2.00 bytes/parameter at stage 3" in r for r in plan.reasons)
+
+
+@pytest.mark.parametrize("params", [1e6, 1e8, 1e9, 4e9, 6e9, 1.5e10, 3e10, 1e11])
+@pytest.mark.parametrize("memory", ["16GB", "80GB"])
+@pytest.mark.parametrize("machines", [1, 2])
+def test_never_recommends_what_it_has_not_checked(params, memory, machines):
+    node = _node(memory=memory)
+    hardware = cost.Cluster(machine=node, num_machines=machines,
+                            network=cost.Link(bandwidth=3e9)) if machines > 1 else node
+    plan = tfdist.plan(stats=_stats(params, act=10**5), global_batch_size=256, machine=hardware)
+    device_memory = cost.parse_bytes(memory)
+    if plan.recommended is None:
+        assert not any(c.fits for c in plan.candidates)
+        return
+    chosen = plan.candidate(plan.recommended)
+    assert chosen.memory is not None and chosen.memory.total <= device_memory
+    if plan.recommended == "split":
+        assert plan.split.stage_memory.total <= device_memory
+        # and one stage fewer would not have fit
+        fewer = cost.replica_memory(plan.stats, optimizer=plan.optimizer,
+                                    per_replica_batch_size=256 // plan.split.data_parallel_groups,
+                                    stages=plan.split.stages - 1)
+        assert fewer.total > device_memory or plan.split.stages == 2
+
+
+def test_split_uses_the_real_layers_of_a_keras_model():
+    keras = pytest.importorskip("keras")
+    model = keras.Sequential([keras.Input((256,))] + [
+        keras.layers.Dense(256, name=f"d{i}") for i in range(8)])
+    stats = cost.model_stats(model)
+    per_layer = (256 * 256 + 256) * 4 * 4  # weights, grads, 2 Adam slots
+    tiny = cost.Machine(device=cost.Device(kind="CPU", memory=int(per_layer * 2.5)),
+                        num_devices=4, link=cost.Link(bandwidth=1e9))
+    plan = tfdist.plan(stats=stats, global_batch_size=4, machine=tiny)
+    assert plan.recommended == "split"
+    assert plan.split.stages == 4 and plan.split.stage_boundaries == (0, 2, 4, 6)
+    assert plan.split.stage_memory.parameters == 2 * (256 * 256 + 256) * 4
+    assert plan.split.stage_memory.total <= tiny.device.memory
+    assert any("pipeline stages starting at layers [0, 2, 4, 6]" in r for r in plan.reasons)
+
+
+def test_cluster_prefers_multi_worker_and_explains_parameter_servers():
+    cluster = cost.Cluster(machine=_node(), num_machines=4,
+                           network=cost.Link(bandwidth=cost.parse_bandwidth("25Gbps"),
+                                             latency=1e-5))
+    plan = tfdist.plan(stats=_stats(1e8), global_batch_size=512, machine=cluster, num_ps=2)
+    assert plan.recommended == "multi_worker_mirrored"
+    mwms = plan.candidate("multi_worker_mirrored")
+    assert mwms.num_replicas == 32 and mwms.per_replica_batch_size == 16
+    assert mwms.communication_time == pytest.approx(62 * 1e-5 + 2 * 31 / 32 * 4e8 / 3.125e9)
+    ps = plan.candidate("parameter_server")
+    assert ps.communication_bytes == 2 * 4 * 4e8 / 2
+    assert any(r.startswith("parameter_server also fits") for r in plan.reasons)
+
+
+def test_peak_flops_make_it_pick_the_fastest_step():
+    # Tiny compute, huge gradients over a slow link: one device wins.
+    slow = _node(num_devices=4, bandwidth="1GB/s", flops=1e14)
+    plan = tfdist.plan(stats=_stats(1e8, flops=1e3), global_batch_size=64, machine=slow)
+    assert plan.recommended == "default"
+    assert "estimated step" in plan.reasons[1]
+    # Heavy compute, same link: data parallelism wins.
+    plan = tfdist.plan(stats=_stats(1e6, flops=1e11), global_batch_size=64, machine=slow)
+    assert plan.recommended == "mirrored"
+    assert plan.candidate("mirrored").step_time < plan.candidate("default").step_time
+
+
+def test_indivisible_batch_is_not_a_candidate_that_fits():
+    plan = tfdist.plan(stats=_stats(1e6), global_batch_size=100, machine=_node())
+    mirrored = plan.candidate("mirrored")
+    assert mirrored.per_replica_batch_size is None and not mirrored.fits
+    assert "global batch 100 does not divide over 8 replicas" in mirrored.note
+    assert plan.recommended == "default"
+
+
+def test_plan_as_dict_is_json():
+    plan = tfdist.plan(stats=_stats(7e9), global_batch_size=512, machine=_node())
+    data = json.loads(json.dumps(plan.as_dict()))
+    assert data["recommended"] == "split"
+    assert data["split"]["stage_memory"]["total"] == 56 * 10**9 + 12
+    assert {c["preset"] for c in data["candidates"]} == {"default", "mirrored", "split"}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, r"plan\(\) needs a model"),
+    ({"stats": _stats(10), "global_batch_size": 0}, r"global_batch_size must be an integer >= 1\. "
+                                                    r"Received: global_batch_size=0"),
+    ({"stats": _stats(10), "machine": "dgx"}, r"machine must be a tfdist\.cost\.Machine"),
+    ({"stats": _stats(10), "optimizer": "shampoo"}, r"Unknown optimizer 'shampoo'"),
+    ({"stats": _stats(10), "num_ps": 0}, r"num_ps must be an integer > 0"),
+])
+def test_plan_rejects_bad_input(kwargs, message):
+    kwargs = {"global_batch_size": 8, "machine": _node(), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        tfdist.plan(**kwargs)
+
+
+def test_this_machine_is_a_cpu_with_the_ram():
+    machine = planner.this_machine()
+    assert machine.device.kind == "CPU" and machine.num_devices == 1
+    assert machine.device.memory == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# --- auto ----------------------------------------------------------------------------
+
+
+def _tf_config(**cluster):
+    roles = {role: [f"127.0.0.1:{20000 + 10 * i + j}" for j in range(n)]
+             for i, (role, n) in enumerate(cluster.items())}
+    task = "chief" if "chief" in roles else "worker"
+    return {"TF_CONFIG": json.dumps({"cluster": roles, "task": {"type": task, "index": 0}})}
+
+
+@pytest.mark.parametrize("environ, gpus, preset, reason", [
+    ({}, 0, "default", "no TF_CONFIG cluster and no GPU: nothing to distribute over"),
+    ({}, 1, "default", "no TF_CONFIG cluster and one GPU"),
+    ({}, 4, "mirrored", "no TF_CONFIG cluster and 4 GPUs on this machine"),
+    ({"TF_CONFIG": "{}"}, 0, "default", "no TF_CONFIG cluster"),
+    (_tf_config(worker=2), 0, "multi_worker_mirrored", "TF_CONFIG describes 2 training tasks"),
+    (_tf_config(chief=1, worker=1), 2, "multi_worker_mirrored", "2 training tasks and no ps"),
+    (_tf_config(worker=1), 2, "mirrored", "TF_CONFIG has one training task and 2 GPUs"),
+    (_tf_config(worker=1), 0, "default", "TF_CONFIG has one training task and no GPU"),
+    (_tf_config(chief=1, worker=2, ps=2), 0, "parameter_server",
+     "TF_CONFIG describes a cluster with 2 ps task(s) (chief=1 worker=2 ps=2)"),
+])
+def test_choose_preset(environ, gpus, preset, reason):
+    chosen, why = strategies.choose_preset(environ=environ, num_gpus=gpus)
+    assert chosen == preset
+    assert reason in why
+
+
+def test_choose_preset_rejects_a_broken_tf_config():
+    with pytest.raises(ValueError, match="TF_CONFIG"):
+        strategies.choose_preset(environ={"TF_CONFIG": "{not json"}, num_gpus=0)
+
+
+def test_auto_on_this_machine_is_default_and_logs_why(caplog, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        strategy = tfdist.make_strategy("auto")
+    import tensorflow as tf
+
+    assert strategy is tf.distribute.get_strategy()
+    assert "auto chose preset 'default' because no TF_CONFIG cluster and no GPU" in caplog.text
+
+
+@pytest.mark.parametrize("roles, preset", [
+    ({"worker": 2}, "multi_worker_mirrored"),
+    ({"chief": 1, "worker": 1, "ps": 1}, "parameter_server"),
+])
+def test_auto_refuses_a_preset_that_is_not_registered(monkeypatch, roles, preset):
+    # As in an installation without that preset (building a registered one here
+    # would try to join the cluster in TF_CONFIG).
+    monkeypatch.delitem(strategies._REGISTRY, preset, raising=False)
+    monkeypatch.setenv("TF_CONFIG", _tf_config(**roles)["TF_CONFIG"])
+    with pytest.raises(ValueError, match=rf"Preset 'auto' chose '{preset}' because TF_CONFIG "
+                                         rf".*but preset '{preset}' is not registered in this "
+                                         r"installation \(available: default, .*auto"):
+        tfdist.make_strategy("auto")
+
+
+def test_auto_takes_no_options():
+    with pytest.raises(ValueError, match=r"Unknown option\(s\) for preset 'auto': num_devices\. "
+                                         r"Valid options: \(none\)"):
+        tfdist.make_strategy("auto", num_devices=2)
+
+
+# --- CLI -------------------------------------------------------------------------------
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "tfdist.cli", "plan", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_text_for_8_gpus():
+    result = _cli("--params=7e9", "--devices=8", "--device_memory=80GB", "--bandwidth=300GB/s",
+                  "--latency=5us", "--global_batch_size=512")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "hardware: 1 machine(s) x 8 GPU(s), 74.51 GiB each" in out
+    assert "recommended: split" in out
+    assert "Split the model over 2 devices" in out
+    assert "mirrored" in out and "104.31 GiB" in out  # the unsplit replica, ruled out
+
+
+def test_cli_json_cluster_and_exit_status_when_nothing_fits(tmp_path):
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps({"machines": 2, "devices": 4, "device_memory": "16GB",
+                                "bandwidth": "100GB/s", "network_bandwidth": "25Gbps"}))
+    result = _cli("--params=350M", f"--cluster={spec}", "--format=json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["recommended"] == "multi_worker_mirrored"
+    assert data["cluster"]["network"]["bandwidth"] == 25e9 / 8
+    result = _cli("--params=1e12", "--devices=2", "--device_memory=1GB", "--bandwidth=1GB/s")
+    assert result.returncode == 1
+    assert "recommended: nothing fits" in result.stdout
+
+
+def test_cli_reads_an_example_model():
+    result = _cli("--model=mlp", "--input_shape=8,8,1", "--num_classes=10", "--devices=2",
+                  "--device_memory=1GB", "--bandwidth=10GB/s", "--format=json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    # build_mlp: 64 -> 256 -> 128 -> 10, weights and biases
+    assert data["model"]["num_params"] == 64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
+    assert data["recommended"] == "mirrored"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--params=1e6", "--cluster={\"machines\": 2, devices}"],
+     "--cluster is not valid JSON (Expecting property name enclosed in double quotes"),
+    (["--params=1e6", '--cluster={"devices": 2, "memory": "8GB"}'],
+     "Unknown key(s) in the cluster description: memory."),
+    (["--params=1e6", '--cluster={"devices": 2}'], "The cluster description needs device_memory"),
+    (["--params=1e6", "--devices=2", "--device_memory=80XB", "--bandwidth=1GB/s"],
+     "device_memory must be a size such as 80GB"),
+    (["--params=1e6", "--devices=2", "--device_memory=8GB"],
+     "2 devices per machine need the bandwidth between them"),
+    (["--params=1e6", "--devices=2", "--device_memory=8GB", "--bandwidth=-1Gbps"],
+     "bandwidth must be a rate such as 25Gbps"),
+    (["--params=1e6", "--machines=2", "--device_memory=8GB"], "2 machines need network_bandwidth"),
+    (["--params=1e6", "--devices=4"], "--device_memory is required when describing other hardware"),
+    (["--params=lots", "--devices=1", "--device_memory=1GB"],
+     "params must be a positive number such as 7e9"),
+    ([], "Pass exactly one of --model=NAME (from models/) or --params=N."),
+    (["--model=resnet"], "Unknown model 'resnet'. Valid models: mlp, cnn, transformer."),
+    (["--model=mlp", "--input_shape=28,x"], "input_shape must be positive integers"),
+    (["--model=mlp", "--params=10"], "Pass exactly one of --model=NAME"),
+])
+def test_cli_bad_input_is_a_clear_error(args, message):
+    result = _cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,251 @@
+"""`tfdist plan`: cost a model on a machine or cluster and recommend a preset.
+
+    tfdist plan --model=mlp --global_batch_size=512            # this machine
+    tfdist plan --params=7e9 --devices=8 --device_memory=80GB \\
+        --bandwidth=300GB/s --latency=5us --global_batch_size=512
+    tfdist plan --params=1.3B --machines=4 --devices=8 --device_memory=40GB \\
+        --bandwidth=300GB/s --network_bandwidth=25Gbps --network_latency=10us
+    tfdist plan --params=350M --cluster='{"machines": 2, "devices": 4, ...}' --format=json
+
+Exit status: 0 with a recommendation, 1 when no configuration fits the
+device memory, 2 for bad input (the message says what to fix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import flags
+
+from tfdist import cost, planner
+
+_MODEL = flags.DEFINE_string(
+    "model", None, "Example model from models/ to plan for (mlp, cnn, transformer, ...: any "
+    "models.build_<name>). Exclusive with --params.")
+_INPUT_SHAPE = flags.DEFINE_list(
+    "input_shape", ["28", "28", "1"], "With --model: the input shape of one example.")
+_NUM_CLASSES = flags.DEFINE_integer("num_classes", 10, "With --model: the number of classes.")
+_PARAMS = flags.DEFINE_string(
+    "params", None, "Trainable parameter count instead of a model: 7e9, 7B, 350M, 125000.")
+_ACTIVATIONS = flags.DEFINE_string(
+    "activation_bytes", None, "With --params: activation bytes kept per example, e.g. 40MB "
+    "(default 0: activations ignored).")
+_FLOPS = flags.DEFINE_string(
+    "flops_per_example", None, "With --params: forward FLOPs per example, e.g. 2.4G "
+    "(enables step-time estimates with --device_flops).")
+_BATCH = flags.DEFINE_integer("global_batch_size", 256, "Examples per step over all replicas.")
+_OPTIMIZER = flags.DEFINE_string(
+    "optimizer", "adam", f"Optimizer whose state to count: {', '.join(cost.OPTIMIZER_SLOTS)}.")
+_CLUSTER = flags.DEFINE_string(
+    "cluster", None, "The hardware as JSON (or a path to a .json file) with keys machines, "
+    "devices, device_kind, device_memory, device_flops, bandwidth, latency, "
+    "network_bandwidth, network_latency. Exclusive with the flags below.")
+_MACHINES = flags.DEFINE_integer("machines", None, "Machines (hosts); default 1.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Devices per machine; default: this machine's.")
+_DEVICE_KIND = flags.DEFINE_enum("device_kind", None, ["CPU", "GPU", "TPU"],
+                                 "Device type; default GPU when --devices is given.")
+_DEVICE_MEMORY = flags.DEFINE_string("device_memory", None, "Memory per device: 80GB, 16GiB.")
+_DEVICE_FLOPS = flags.DEFINE_string(
+    "device_flops", None, "Peak FLOP/s per device, e.g. 312T (enables step-time estimates).")
+_BANDWIDTH = flags.DEFINE_string(
+    "bandwidth", None, "Device-to-device bandwidth within a machine: 300GB/s, 25Gbps "
+    "(bits), a bare number is bytes/s.")
+_LATENCY = flags.DEFINE_string("latency", None, "Per-message latency within a machine: 5us.")
+_NET_BANDWIDTH = flags.DEFINE_string("network_bandwidth", None,
+                                     "Bandwidth between machines: 25Gbps, 100Gb/s.")
+_NET_LATENCY = flags.DEFINE_string("network_latency", None, "Latency between machines: 10us.")
+_NUM_PS = flags.DEFINE_integer("num_ps", None, "Parameter servers to cost (multi-machine).")
+_FORMAT = flags.DEFINE_enum("format", "text", ["text", "json"], "Output format.")
+
+_CLUSTER_KEYS = ("machines", "devices", "device_kind", "device_memory", "device_flops",
+                 "bandwidth", "latency", "network_bandwidth", "network_latency")
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
+
+
+def parse_count(text: str, *, what: str) -> float:
+    """'7e9', '7B', '350M', '2.4G', '125000' -> a positive number."""
+    raw = str(text).strip()
+    unit = raw[-1:].lower() if raw[-1:].isalpha() else ""
+    try:
+        value = float(raw[:-1] if unit else raw) * _SUFFIX[unit]
+    except (ValueError, KeyError):
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{what} must be a positive number such as 7e9, 7B, 350M or 125000. "
+                         f"Received: {what}={text!r}")
+    return value
+
+
+def cluster_from_dict(spec: dict) -> cost.Cluster:
+    """Builds the hardware from a description such as the --cluster JSON.
+
+    Raises:
+      ValueError: unknown keys, missing device memory, unparsable values.
+    """
+    if not isinstance(spec, dict):
+        raise ValueError(f"The cluster description must be a JSON object with keys "
+                         f"{', '.join(_CLUSTER_KEYS)}. Received: {spec!r}")
+    unknown = sorted(set(spec) - set(_CLUSTER_KEYS))
+    if unknown:
+        raise ValueError(f"Unknown key(s) in the cluster description: {', '.join(unknown)}. "
+                         f"Valid keys: {', '.join(_CLUSTER_KEYS)}.")
+    if "device_memory" not in spec:
+        raise ValueError("The cluster description needs device_memory (e.g. \"80GB\"): the "
+                         "planner checks every configuration against it.")
+    machines = spec.get("machines", 1)
+    devices = spec.get("devices", 1)
+    for name, value in (("machines", machines), ("devices", devices)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1. Received: {name}={value!r}")
+    if devices > 1 and "bandwidth" not in spec:
+        raise ValueError(f"{devices} devices per machine need the bandwidth between them "
+                         "(e.g. \"300GB/s\" for NVLink, \"25GB/s\" for PCIe): the all-reduce "
+                         "time depends on it. Received: bandwidth missing.")
+    if machines > 1 and "network_bandwidth" not in spec:
+        raise ValueError(f"{machines} machines need network_bandwidth (e.g. \"25Gbps\"). "
+                         "Received: network_bandwidth missing.")
+    link = cost.Link(
+        bandwidth=cost.parse_bandwidth(spec["bandwidth"]) if "bandwidth" in spec
+        else planner.DEFAULT_LOCAL_LINK.bandwidth,
+        latency=cost.parse_duration(spec.get("latency", 0)))
+    network = None
+    if "network_bandwidth" in spec:
+        network = cost.Link(
+            bandwidth=cost.parse_bandwidth(spec["network_bandwidth"], what="network_bandwidth"),
+            latency=cost.parse_duration(spec.get("network_latency", 0), what="network_latency"))
+    flops = spec.get("device_flops")
+    device = cost.Device(
+        kind=spec.get("device_kind", "GPU"),
+        memory=cost.parse_bytes(spec["device_memory"], what="device_memory"),
+        peak_flops=None if flops is None else parse_count(flops, what="device_flops"))
+    return cost.Cluster(machine=cost.Machine(device=device, num_devices=devices, link=link),
+                        num_machines=machines, network=network)
+
+
+def _cluster_from_flags() -> cost.Cluster:
+    given = {name: getattr(flags.FLAGS, name) for name in _CLUSTER_KEYS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if _CLUSTER.value is not None:
+        if given:
+            raise ValueError("Pass the hardware either as --cluster or as --devices/"
+                             f"--device_memory/... flags, not both. Received: --cluster and "
+                             f"{', '.join('--' + k for k in sorted(given))}.")
+        text = _CLUSTER.value
+        if os.path.exists(text):
+            with open(text) as f:
+                text = f.read()
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"--cluster is not valid JSON ({error.msg} at line {error.lineno} column "
+                f"{error.colno}) nor an existing file. Received: --cluster={_CLUSTER.value!r}. "
+                'Example: --cluster=\'{"machines": 2, "devices": 8, "device_memory": "80GB", '
+                '"bandwidth": "300GB/s", "network_bandwidth": "25Gbps"}\'') from None
+        return cluster_from_dict(spec)
+    if not given or set(given) <= {"latency", "bandwidth"}:
+        local = planner.this_machine()
+        link = local.link
+        if given:
+            link = cost.Link(
+                bandwidth=cost.parse_bandwidth(given.get("bandwidth", link.bandwidth)),
+                latency=cost.parse_duration(given.get("latency", link.latency)))
+        return cost.Cluster(machine=cost.Machine(device=local.device,
+                                                 num_devices=local.num_devices, link=link))
+    if "device_memory" not in given:
+        raise ValueError("--device_memory is required when describing other hardware "
+                         "(e.g. --devices=8 --device_memory=80GB): the planner checks every "
+                         "configuration against it.")
+    return cluster_from_dict(given)
+
+
+def _stats():
+    if (_MODEL.value is None) == (_PARAMS.value is None):
+        raise ValueError("Pass exactly one of --model=NAME (from models/) or --params=N. "
+                         f"Received: --model={_MODEL.value!r}, --params={_PARAMS.value!r}.")
+    if _PARAMS.value is not None:
+        return cost.ModelStats.from_param_count(
+            int(parse_count(_PARAMS.value, what="params")),
+            activation_bytes_per_example=0 if _ACTIVATIONS.value is None else cost.parse_bytes(
+                _ACTIVATIONS.value, what="activation_bytes"),
+            forward_flops_per_example=None if _FLOPS.value is None else parse_count(
+                _FLOPS.value, what="flops_per_example"))
+    for name, value in (("activation_bytes", _ACTIVATIONS.value),
+                        ("flops_per_example", _FLOPS.value)):
+        if value is not None:
+            raise ValueError(f"--{name} goes with --params; with --model it is read from the "
+                             f"model. Received: --{name}={value!r}.")
+    return cost.model_stats(_build_model(_MODEL.value))
+
+
+def _build_model(name: str):
+    try:
+        import models
+    except ImportError:
+        raise ValueError("--model needs the example models package `models/` (run from the "
+                         "tfdist repository root), or pass --params=N.") from None
+    try:
+        shape = tuple(int(d) for d in _INPUT_SHAPE.value)
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise ValueError("input_shape must be positive integers such as 28,28,1. "
+                         f"Received: --input_shape={','.join(_INPUT_SHAPE.value)}")
+    return models.build_model(name, shape, _NUM_CLASSES.value)
+
+
+def format_plan(plan: planner.Plan) -> str:
+    """The plan as text: the hardware, one line per candidate, the recommendation."""
+    c = plan.cluster
+    m = c.machine
+    dev = m.device
+    lines = [
+        f"hardware: {c.num_machines} machine(s) x {m.num_devices} {dev.kind}(s), "
+        f"{cost.format_bytes(dev.memory)} each"
+        + (f", {dev.peak_flops / 1e12:.1f} TFLOP/s peak" if dev.peak_flops else "")
+        + f"; link {m.link.bandwidth / 1e9:.2f} GB/s, {cost.format_seconds(m.link.latency)}"
+        + ("" if c.network is None else
+           f"; network {c.network.bandwidth / 1e9:.3f} GB/s, "
+           f"{cost.format_seconds(c.network.latency)}"),
+        f"model: {plan.stats.num_params:,} parameters, "
+        f"{cost.format_bytes(plan.stats.trainable_bytes)}; optimizer {plan.optimizer.name} "
+        f"({plan.optimizer.slots_per_variable} slot(s)); global batch {plan.global_batch_size}",
+        "",
+        f"{'candidate':<22} {'replicas':>8} {'batch/rep':>9} {'memory/dev':>12} {'fits':>4} "
+        f"{'comm/step':>12} {'comm time':>10} {'step':>10}",
+    ]
+    for cand in plan.candidates:
+        mem = "-" if cand.memory is None else cost.format_bytes(cand.memory.total)
+        step = "-" if cand.step_time is None else cost.format_seconds(cand.step_time)
+        name = cand.preset + ("" if cand.registered else "*")
+        lines.append(
+            f"{name:<22} {cand.num_replicas:>8} {cand.per_replica_batch_size or '-':>9} "
+            f"{mem:>12} {'yes' if cand.fits else 'no':>4} "
+            f"{cost.format_bytes(cand.communication_bytes):>12} "
+            f"{cost.format_seconds(cand.communication_time):>10} {step:>10}")
+    if any(not cand.registered for cand in plan.candidates):
+        lines.append("(* not registered in this installation)")
+    lines += ["", f"recommended: {plan.recommended or 'nothing fits'}"]
+    lines += [f"  - {reason}" for reason in plan.reasons]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        print(f"tfdist plan: unexpected arguments {argv[1:]}", file=sys.stderr)
+        return 2
+    try:
+        stats = _stats()
+        cluster = _cluster_from_flags()
+        result = planner.plan(stats=stats, global_batch_size=_BATCH.value, machine=cluster,
+                              optimizer=_OPTIMIZER.value, num_ps=_NUM_PS.value)
+    except ValueError as error:
+        print(f"tfdist plan: {error}", file=sys.stderr)
+        return 2
+    if _FORMAT.value == "json":
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(format_plan(result))
+    return 0 if result.recommended else 1
