@@ -442,7 +442,9 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                 f"{cost.format_bytes(device.memory)}. With {split.micro_batches} micro-batches "
                 f"the bubble is {split.bubble:.0%} (ideal speed-up {split.ideal_speedup:.2f}x "
                 f"over one device); {split.data_parallel_groups} data-parallel copies of the "
-                "pipeline use the devices.")
+                "pipeline use the devices. Apply it with tfdist.split_model(model, "
+                f"num_stages={split.stages}, micro_batches={split.micro_batches}, "
+                f"replicas={split.data_parallel_groups}).")
         else:
             reasons.append(
                 f"Even split over all {n} devices the model does not fit: use a smaller "
@@ -456,7 +458,12 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
 
 
 def _split_registered(registered: Sequence[str]) -> bool:
-    return any("split" in name or "pipeline" in name for name in registered)
+    # Splitting is not a strategy preset: it is applied with tfdist.split_model
+    # (composing with data-parallel replicas), which ships with tfdist.split.
+    import importlib.util
+
+    return (importlib.util.find_spec("tfdist.split") is not None
+            or any("split" in name or "pipeline" in name for name in registered))
 
 
 def _find_split(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
