@@ -8,7 +8,10 @@ uncompiled `keras.Model`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import keras
 
 # keras is imported inside the builders: importing this package must not
 # start TensorFlow (tfdist imports it quietly, after flags are parsed).

@@ -16,3 +16,12 @@ def run_python(*args: str, timeout: float = 120, env: dict | None = None
     full_env.update(env or {})
     return subprocess.run([sys.executable, *args], cwd=REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone): for no-orphan checks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False

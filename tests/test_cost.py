@@ -1,6 +1,5 @@
 """The cost model's arithmetic, checked against values worked out by hand (no TensorFlow)."""
 
-import math
 import subprocess
 import sys
 

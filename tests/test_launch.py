@@ -12,7 +12,7 @@ import pytest
 
 from tfdist import cluster as cluster_lib
 from tfdist import launch as launch_lib
-from tests.helpers import REPO
+from tests.helpers import REPO, alive
 
 PY = sys.executable
 
@@ -25,19 +25,12 @@ def _script(tmp_path, body: str) -> str:
     return str(path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
 
 def _run(cmd, **kwargs):
     out, err = io.StringIO(), io.StringIO()
     result = launch_lib.launch(cmd, stdout=out, stderr=err, **kwargs)
     for task in result.tasks:
-        assert not _alive(task.pid), f"{task} left running"
+        assert not alive(task.pid), f"{task} left running"
     return result, out.getvalue(), err.getvalue()
 
 
@@ -190,9 +183,9 @@ def test_signalled_launcher_leaves_no_children(tmp_path, sig):
         if sig != signal.SIGKILL:
             assert rc == 128 + sig
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), "orphaned children"
+        assert not any(alive(p) for p in pids), "orphaned children"
     finally:
         proc.kill()
         proc.wait()

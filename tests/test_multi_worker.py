@@ -22,7 +22,7 @@ import pytest
 
 from tfdist import launch as launch_lib
 from tests import multi_worker_script as script
-from tests.helpers import REPO
+from tests.helpers import REPO, alive
 
 SCRIPT = os.path.join(REPO, "tests", "multi_worker_script.py")
 
@@ -34,13 +34,6 @@ def reference():
     strategy = tfdist.make_strategy("mirrored", devices=("/cpu:0",))
     return {inputs: script.train(strategy, inputs) for inputs in ("tfdata", "numpy")}
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _no_process_mentions(text: str) -> bool:
@@ -61,7 +54,7 @@ def _launch(tmp_path, *args, **kwargs):
     env = dict(os.environ, PYTHONPATH=REPO)
     result = launch_lib.launch([sys.executable, SCRIPT, "--out", str(tmp_path), *args],
                                stdout=out, stderr=err, env=env, grace_period=3.0, **kwargs)
-    assert all(not _alive(t.pid) for t in result.tasks)
+    assert all(not alive(t.pid) for t in result.tasks)
     assert _no_process_mentions(str(tmp_path)), "a task outlived the launcher"
     return result, out.getvalue(), err.getvalue()
 

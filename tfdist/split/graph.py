@@ -23,8 +23,6 @@ from tfdist._tf import import_tensorflow
 from tfdist.split import plan as plan_lib
 from tfdist.split.tensor_parallel import ShardedDense, shard_attention
 
-from tfdist._tf import import_tensorflow
-
 import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
 import keras  # noqa: E402

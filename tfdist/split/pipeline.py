@@ -30,8 +30,6 @@ from tfdist.compat import placed_training
 from tfdist.split import balance, graph
 from tfdist.split import plan as plan_lib
 
-from tfdist._tf import import_tensorflow
-
 import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
 import keras  # noqa: E402

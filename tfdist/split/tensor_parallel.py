@@ -19,8 +19,6 @@ import numpy as np
 
 from tfdist._tf import import_tensorflow
 
-from tfdist._tf import import_tensorflow
-
 import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
 import keras  # noqa: E402
