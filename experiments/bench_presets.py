@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from experiments.rows import print_rows, write_rows
 from absl import app, flags
 
 NUM_LOGICAL_DEVICES = 4
@@ -388,13 +389,8 @@ def run(quick: bool) -> list[dict]:
 def main(argv):
     del argv
     rows, details = measure(flags.FLAGS.quick)
-    out = flags.FLAGS.out
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"rows": rows, "details": details}, f, indent=2)
-    for row in rows:
-        print(f"{row['name']}: {row['value']:.4g} {row['unit']}"
-              + (f" (target {row['target']}, ratio {row['ratio']:.3f})" if row["target"] else ""))
+    write_rows(flags.FLAGS.out, rows, details=details)
+    print_rows(rows)
 
 
 if __name__ == "__main__":

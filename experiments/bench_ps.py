@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from experiments.rows import print_rows, write_rows
 from absl import app, flags
 
 flags.DEFINE_bool("quick", False, "Fewer repeats (a smoke run).")
@@ -211,13 +212,9 @@ def main(argv):
         sys.stdout.flush()
         os._exit(0)  # skip in-process server teardown
     rows = run(FLAGS.quick)
-    for r in rows:
-        ratio = f"  ratio {r['ratio']:.2f}" if r["ratio"] is not None else ""
-        print(f"{r['name']:42s} {r['value']:14.3f} {r['unit']:8s}{ratio}  {r['note']}")
+    print_rows(rows)
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(FLAGS.out, rows, command="python -m experiments.bench_ps")
     return 0
 
 

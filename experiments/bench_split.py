@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from experiments.rows import print_rows, write_rows
 from absl import app, flags
 
 WIDTH, LAYERS, BATCH = 512, 8, 4096
@@ -253,13 +254,9 @@ def main(argv):
     if _FLAGS.worker:
         return _worker(_FLAGS.worker, _FLAGS.schedule)
     rows = run(_FLAGS.quick, _FLAGS.schedule, _FLAGS.onednn)
-    for r in rows:
-        ratio = "" if r["ratio"] is None else f"  ({r['ratio']:.2f} of target {r['target']:.2f})"
-        print(f"{r['name']:<32} {r['value']:>9.3f} {r['unit']:<8}{ratio}  {r['note']}")
+    print_rows(rows)
     if _FLAGS.out:
-        os.makedirs(os.path.dirname(_FLAGS.out) or ".", exist_ok=True)
-        with open(_FLAGS.out, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_rows(_FLAGS.out, rows, command="python -m experiments.bench_split")
     return 0
 
 
