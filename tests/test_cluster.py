@@ -16,6 +16,7 @@ import yaml
 
 from tfdist import cluster as C
 from tfdist.cluster import Cluster, TFConfig, TFConfigError, TFConfigWarning
+from tests.helpers import run_python
 
 W2 = {"worker": ["a:2222", "b:2222"]}
 
@@ -30,9 +31,9 @@ def cfg(cluster=None, task_type="worker", index=0, **extra):
 def test_import_does_not_load_tensorflow():
     code = ("import sys, tfdist, tfdist.cluster; tfdist.local_cluster(num_workers=1); "
             "print('tensorflow' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
-    assert out.strip() == "False"
+    result = run_python("-c", code, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 def test_public_exports():

@@ -1,11 +1,10 @@
 """The cost model's arithmetic, checked against values worked out by hand (no TensorFlow)."""
 
-import subprocess
-import sys
 
 import pytest
 
 from tfdist import cost
+from tests.helpers import run_python
 
 GB = 10**9
 
@@ -351,6 +350,6 @@ def test_arithmetic_imports_no_tensorflow():
     code = ("import sys, tfdist.cost, tfdist.planner; "
             "from tfdist import cost; cost.ring_allreduce_time(1e6, 4, cost.Link(bandwidth=1e9)); "
             "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
-    assert out.split() == ["False", "False"]
+    result = run_python("-c", code, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]

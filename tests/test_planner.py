@@ -3,13 +3,12 @@
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 
 import tfdist
 from tfdist import cost, planner, strategies
+from tests.helpers import run_python
 
 GB = 10**9
 GiB = 2**30
@@ -232,9 +231,7 @@ def test_auto_takes_no_options():
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "tfdist.cli", "plan", *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return run_python("-m", "tfdist.cli", "plan", *args, timeout=120, env=env)
 
 
 def test_cli_text_for_8_gpus():
