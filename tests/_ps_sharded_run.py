@@ -2,7 +2,8 @@
 
 Trains the same Embedding + Dense model (same initial weights, same batches)
 twice: under the parameter_server preset with 1 worker, 2 ps and every
-variable split in 2 shards, and with no strategy at all. With one worker the
+variable split in 2 shards, and with no strategy at all (duplicate sparse
+indices summed, as under every tfdist strategy). With one worker the
 steps run one after another, so both runs must agree. Prints one JSON line.
 """
 
@@ -46,6 +47,11 @@ def main(steps: int) -> None:
         sharded = build(keras)
     plain = build(keras)
     plain.set_weights(sharded.get_weights())
+    # The reference: one device with duplicate sparse-gradient indices summed, as
+    # tfdist's strategies (and TensorFlow's own optimizers) apply them.
+    from tfdist.compat import optimizer_update
+
+    optimizer_update.opt_in(plain.optimizer)
 
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 

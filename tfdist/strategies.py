@@ -114,6 +114,14 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
     else:
         opts = make_options(preset, **options)
     strategy = get_preset(opts.preset).factory(opts)
+    from tfdist.compat import _owner
+
+    if not _owner.is_default_strategy(strategy):
+        # tfdist's compat fixes apply to this strategy (and only to strategies made here).
+        _owner.adopt(strategy)
+        from tfdist.compat import optimizer_update
+
+        optimizer_update.install()
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 
