@@ -1,6 +1,8 @@
-"""The launcher on tiny scripts (no TensorFlow): prefixes, exit codes, stopping, restarts."""
+"""The launcher on tiny scripts (no TensorFlow): prefixes, exit codes, stopping, restarts,
+the job's end policy, bad input, output limits, no orphans."""
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -39,6 +41,10 @@ def test_prefixes_output_and_sets_tf_config(tmp_path):
     script = _script(tmp_path, """
         print("hello from", NAME, json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][1])
         print("to stderr", file=sys.stderr)
+        job_dir = os.environ["TFDIST_JOB_DIR"]
+        open(os.path.join(job_dir, NAME.replace(":", "")), "w").write("scratch")
+        print("job dir", job_dir, os.path.isdir(job_dir), oct(os.stat(job_dir).st_mode & 0o777))
+        print("attempt", os.environ["TFDIST_LAUNCH_ATTEMPT"])
     """)
     result, out, err = _run([PY, script], num_workers=2)
     assert result.returncode == 0 and result.attempts == 1, err
@@ -46,8 +52,13 @@ def test_prefixes_output_and_sets_tf_config(tmp_path):
     assert f"[worker:0] hello from worker:0 {port1}" in out
     assert f"[worker:1] hello from worker:1 {port1}" in out
     assert "[worker:1] to stderr" in err
+    assert "[worker:0] attempt 1" in out and "[worker:1] attempt 1" in out
     assert all(a.startswith("127.0.0.1:") for a in result.cluster.worker)
-    assert "TF_CONFIG" not in os.environ
+    assert "TF_CONFIG" not in os.environ and "TFDIST_JOB_DIR" not in os.environ
+    # One scratch directory for the job, private, removed when the job ends.
+    job_dirs = {line.split()[3] for line in out.splitlines() if " job dir " in line}
+    assert len(job_dirs) == 1 and "True 0o700" in out, out
+    assert not os.path.exists(job_dirs.pop())
 
 
 @pytest.mark.timeout(60)
@@ -125,17 +136,69 @@ def test_timeout_stops_everything(tmp_path):
 
 
 def test_bad_input_is_rejected_before_starting(tmp_path):
-    with pytest.raises(ValueError, match=r"num_workers must be an integer >= 1. Received: "
-                                         r"num_workers=0"):
-        launch_lib.launch([PY, "x.py"], num_workers=0)
-    with pytest.raises(ValueError, match=r"The script 'missing\.py' does not exist"):
-        launch_lib.launch([PY, "-u", "missing.py"], num_workers=2)
-    with pytest.raises(ValueError, match=r"not on PATH"):
-        launch_lib.launch(["no-such-program-xyz"], num_workers=1)
-    with pytest.raises(ValueError, match=r"needs a chief"):
-        launch_lib.launch([PY, "-c", "pass"], num_workers=1, num_ps=1)
-    with pytest.raises(ValueError, match=r"non-empty list"):
-        launch_lib.launch("python x.py", num_workers=1)
+    def rejects(pattern, cmd=(PY, "-c", "pass"), **kwargs):
+        kwargs.setdefault("num_workers", 1)
+        with pytest.raises(ValueError, match=pattern):
+            launch_lib.launch(list(cmd) if not isinstance(cmd, str) else cmd, **kwargs)
+
+    rejects(r"num_workers must be an integer >= 1. Received: num_workers=0", num_workers=0)
+    rejects(r"The script 'missing\.py' does not exist", [PY, "-u", "missing.py"])
+    rejects(r"not on PATH", ["no-such-program-xyz"])
+    rejects(r"needs a chief", num_ps=1)
+    rejects(r"non-empty list", "python x.py")
+    rejects(r"NUL character", [PY, "-c", "pass\0"])
+    # What used to be PermissionError / Exec format error tracebacks from Popen.
+    not_executable = tmp_path / "job.sh"
+    not_executable.write_text("#!/bin/sh\necho hi\n")
+    rejects(r"is not executable .*\(chmod \+x", [str(not_executable)])
+    no_shebang = tmp_path / "job"
+    no_shebang.write_text("echo hi\n")
+    no_shebang.chmod(0o755)
+    rejects(r"neither a binary nor a script with a #! line.*Exec format error", [str(no_shebang)])
+    bad_shebang = tmp_path / "job2"
+    bad_shebang.write_text("#!/no/such/interpreter\necho hi\n")
+    bad_shebang.chmod(0o755)
+    rejects(r"'/no/such/interpreter' is not an executable file", [str(bad_shebang)])
+    rejects(r"is a directory, not a program", [str(tmp_path)])
+    # Times: finite and positive (a NaN timeout or negative grace used to be accepted).
+    rejects(r"timeout must be a finite number of seconds > 0", timeout=float("nan"))
+    rejects(r"progress_timeout must be a finite number of seconds > 0", progress_timeout=0)
+    rejects(r"grace_period must be a finite number of seconds >= 0", grace_period=-1)
+    rejects(r"grace_period must be a finite number of seconds >= 0", grace_period=float("nan"))
+    rejects(r"network must be one of auto, private, host", network="lan")
+    rejects(r"max_worker_restarts restarts one worker of a parameter-server job alone; this "
+            r"job has no ps", max_worker_restarts=1)
+
+
+def test_more_tasks_than_open_files_allow_is_refused_up_front():
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("no open-file limit here")
+    # Used to fail midway with "OSError: [Errno 24] Too many open files".
+    with pytest.raises(ValueError, match=rf"may open only {soft} \(ulimit -n\).*expected at "
+                                         rf"most \d+ here. Raise the limit"):
+        launch_lib.launch([PY, "-c", "pass"], num_workers=soft // 3 + 1)
+
+
+def test_bare_python_is_the_launchers_own_interpreter(tmp_path):
+    """`python` is sys.executable, not the first python on the tasks' PATH."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name in ("python", "python3"):
+        fake = fake_bin / name
+        fake.write_text("#!/bin/sh\necho the wrong python\n")
+        fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    code = "import sys; print('interpreter', sys.executable)"
+    result, out, err = _run(["python", "-c", code], num_workers=1, env=env)
+    assert result.ok, err
+    assert f"[worker:0] interpreter {sys.executable}" in out
+    assert f"running python = {sys.executable} (the launcher's own interpreter)" in err
+    # Negative control: a path is taken as given.
+    result, out, _ = _run([str(fake_bin / "python3")], num_workers=1, env=env)
+    assert result.ok and "[worker:0] the wrong python" in out
 
 
 def test_taken_port_is_a_clear_error(tmp_path):
@@ -147,15 +210,21 @@ def test_taken_port_is_a_clear_error(tmp_path):
         sock.bind(("127.0.0.1", port))
         sock.listen()
         with pytest.raises(ValueError, match=rf"Port {port} of worker:0 .* already in use"):
-            launch_lib.launch([PY, "-c", "pass"], num_workers=1, cluster=cluster)
+            launch_lib.launch([PY, "-c", "pass"], num_workers=1, cluster=cluster,
+                              network="host")
 
 
-def _launcher_process(tmp_path, body):
+def _launcher_process(tmp_path, body, *, network="auto", shell=False, env=None):
     script = _script(tmp_path, body)
-    env = dict(os.environ, PYTHONPATH=REPO)
+    cmd = [PY, script]
+    if shell:
+        # Grandchildren: the task is a shell that starts two Pythons.
+        cmd = ["sh", "-c", f"{PY} {script} & {PY} {script} & wait"]
     return subprocess.Popen(
-        [PY, "-m", "tfdist.launch", "--num_workers=2", "--grace_period=1", "--", PY, script],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [PY, "-m", "tfdist.launch", "--num_workers=2", "--grace_period=1",
+         f"--network={network}", "--", *cmd],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, **(env or {})), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
 
 
 def _child_pids(proc, n):
@@ -168,27 +237,87 @@ def _child_pids(proc, n):
     return pids
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_signalled_launcher_leaves_no_children(tmp_path, sig):
-    proc = _launcher_process(tmp_path, """
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print(f"{NAME} pid={os.getpid()}", flush=True)
+def _gone(pids, seconds=10):
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+_SLEEPER = """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("ESCAPE") and os.fork() == 0:
+        os.setsid()  # leaves the task's process group and session
+        os.write(1, f"escaped pid={os.getpid()}{chr(10)}".encode())  # one write: pipes are shared
         time.sleep(60)
-    """)
+        os._exit(0)
+    os.write(1, f"{NAME} pid={os.getpid()}{chr(10)}".encode())
+    time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("network", ["private", "host"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_signalled_launcher_leaves_no_children_or_grandchildren(tmp_path, sig, network):
+    # In the private namespace even processes that left their process group die.
+    escape = network == "private"
+    proc = _launcher_process(tmp_path, _SLEEPER, network=network, shell=True,
+                             env={"ESCAPE": "1"} if escape else None)
+    pids = []
     try:
-        pids = _child_pids(proc, 2)
+        pids = _child_pids(proc, 8 if escape else 4)
         proc.send_signal(sig)
         rc = proc.wait(timeout=20)
         if sig != signal.SIGKILL:
             assert rc == 128 + sig
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in pids), "orphaned children"
+        assert not _gone(pids), "orphaned (grand)children"
     finally:
         proc.kill()
         proc.wait()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_parent_death_signal_alone_leaves_grandchildren(tmp_path):
+    """Negative control for the test above: without the job keeper, grandchildren survive."""
+    from tfdist.launch import isolation
+
+    script = _script(tmp_path, _SLEEPER)
+    # The launcher's way of starting a task (parent-death signal), minus the keeper.
+    parent_py = tmp_path / "parent.py"
+    parent_py.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        subprocess.Popen([sys.executable, "-I", "-S", {isolation.ENTER_SCRIPT!r}, str(os.getpid()),
+                          "-1", "-1", "/bin/sh", "-c", {PY + " " + script + " & wait"!r}])
+        time.sleep(60)
+    """))
+    env = dict(os.environ, TF_CONFIG=json.dumps({"task": {"type": "worker", "index": 0}}))
+    parent = subprocess.Popen([PY, str(parent_py)], stdout=subprocess.PIPE, text=True, env=env)
+    pids = []
+    try:
+        pids = _child_pids(parent, 1)
+        parent.kill()
+        parent.wait()
+        assert _gone(pids, seconds=3) == pids, "expected the grandchild to outlive its parents"
+    finally:
+        parent.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_closed_stdout_does_not_stop_the_job(tmp_path):
+    """`tfdist launch ... | head -1`: the relay keeps draining the tasks, no traceback."""
+    proc = _launcher_process(tmp_path, "for i in range(20000): print(NAME, i)\n")
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=50) == 0, err
+    assert "all 2 tasks exited 0" in err and "Traceback" not in err
 
 
 def test_cli_without_a_command_fails_with_usage():
