@@ -326,3 +326,204 @@ def test_cli_without_a_command_fails_with_usage():
                             text=True, timeout=60)
     assert result.returncode == 2
     assert "no command to run" in result.stderr
+
+
+# --- the job's end policy ---------------------------------------------------------------------
+_PS_JOB = """
+    job = os.environ["TFDIST_JOB_DIR"]
+    first = os.path.join(job, "worker1-first-start")
+    back = os.path.join(job, "worker1-back")
+    os.write(1, f"{NAME} pid={os.getpid()}{chr(10)}".encode())
+    if NAME == "chief:0":
+        deadline = time.monotonic() + 30
+        while not os.path.exists(back) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit(0 if os.path.exists(back) else 9)
+    if NAME == "worker:1":
+        if not os.path.exists(first):
+            open(first, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        open(back, "w").close()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)   # ps and worker servers never exit on their own
+"""
+
+
+@pytest.mark.timeout(60)
+def test_parameter_server_worker_is_restarted_alone(tmp_path):
+    script = _script(tmp_path, _PS_JOB)
+    result, out, err = _run([PY, script], num_workers=2, num_ps=1, chief=True, grace_period=1.0)
+    assert result.returncode == 0, err
+    assert ("worker:1 was killed by SIGKILL; restarting it alone on the same address "
+            "(restart 1 of 3); the other tasks keep running") in err
+    restarts = {t.task: t.restarts for t in result.tasks}
+    assert restarts == {"chief:0": 0, "worker:0": 0, "worker:1": 1, "ps:0": 0}
+    started = [line.split("] ", 1)[1].split()[0] for line in out.splitlines() if "pid=" in line]
+    assert sorted(started) == ["chief:0", "ps:0", "worker:0", "worker:1", "worker:1"]
+    assert result.attempts == 1
+
+
+@pytest.mark.timeout(60)
+def test_parameter_server_job_fails_when_no_worker_is_left(tmp_path):
+    script = _script(tmp_path, """
+        if NAME.startswith("worker"):
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    """)
+    result, _, err = _run([PY, script], num_workers=2, num_ps=1, chief=True,
+                          max_worker_restarts=1, grace_period=1.0)
+    assert result.returncode == 3, err
+    assert "and no worker is left to run the training steps" in err
+    assert {t.task: t.restarts for t in result.tasks if t.task.startswith("worker")} == {
+        "worker:0": 1, "worker:1": 1}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lost_peer", [True, False])
+def test_task_that_left_first_is_named(tmp_path, lost_peer):
+    """A peer exiting 0 early makes the survivor crash: the early one is to blame."""
+    error = ("tensorflow.python.framework.errors_impl.UnavailableError: Socket closed"
+             if lost_peer else "ValueError: a bug of its own")
+    script = _script(tmp_path, f"""
+        if NAME == "worker:1":
+            sys.exit(0)
+        time.sleep(1)
+        print({error!r}, file=sys.stderr)
+        sys.exit(1)
+    """)
+    result, _, err = _run([PY, script], num_workers=2)
+    assert result.returncode == 1
+    if lost_peer:
+        assert result.failed_task == "worker:1"
+        assert ("worker:1 left the job first: it exited 0 while its peers were still training, "
+                "and then worker:0 exited with code 1 because its peer was gone") in err
+    else:  # negative control: an unrelated failure is the survivor's own
+        assert result.failed_task == "worker:0"
+        assert "worker:0 exited with code 1; stopped the other tasks." in err
+
+
+@pytest.mark.timeout(60)
+def test_silent_task_ends_the_job_after_progress_timeout(tmp_path):
+    script = _script(tmp_path, """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # hung in C++: only SIGKILL ends it
+        for i in range(600):
+            if NAME == "worker:0" or i == 0:
+                print(NAME, "step", i, flush=True)
+            time.sleep(0.1)
+    """)
+    result, out, err = _run([PY, script], num_workers=2, progress_timeout=2, grace_period=0.5)
+    assert result.returncode == launch_lib.TIMEOUT_EXIT_CODE, err
+    assert result.failed_task == "worker:1"
+    assert "worker:1 wrote nothing for 2 s (--progress_timeout): it looks hung" in err
+    # Servers of a parameter-server job are silent by nature: only the chief is watched.
+    script = _script(tmp_path, """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for i in range(30 if NAME == "chief:0" else 600):
+            if NAME == "chief:0":
+                print("step", i, flush=True)
+            time.sleep(0.1)
+    """)
+    result, _, err = _run([PY, script], num_workers=1, num_ps=1, chief=True, progress_timeout=1,
+                          grace_period=0.5)
+    assert result.returncode == 0, err
+
+
+# --- output -----------------------------------------------------------------------------------
+_TF_STARTUP = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795456104.971374   22509 port.cc:153] oneDNN custom operations are on. You "
+    "may see slightly different numerical results due to floating-point round-off errors from "
+    "different computation orders. To turn them off, set the environment variable "
+    "`TF_ENABLE_ONEDNN_OPTS=0`.",
+    "I0000 00:00:1795456104.971674   22509 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.",
+    "I0000 00:00:1795456105.159167   22509 cpu_feature_guard.cc:227] This TensorFlow binary is "
+    "optimized to use available CPU instructions in performance-critical operations.",
+    "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",
+    "E0000 00:00:1795456114.737798   22509 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+]
+
+
+@pytest.mark.timeout(60)
+def test_tensorflow_startup_lines_are_dropped_unless_asked_for(tmp_path):
+    lines = _TF_STARTUP + ["E0000 00:00:1.0   1 some_op.cc:1] a real error stays"]
+    script = _script(tmp_path, f"""
+        for line in {lines!r}:
+            print(line, file=sys.stderr)
+    """)
+    _, _, err = _run([PY, script], num_workers=1)
+    assert "[worker:0] E0000 00:00:1.0   1 some_op.cc:1] a real error stays" in err
+    for line in _TF_STARTUP:
+        assert line not in err
+    _, _, err = _run([PY, script], num_workers=1, startup_logs=True)
+    for line in _TF_STARTUP:
+        assert f"[worker:0] {line}" in err
+
+
+@pytest.mark.timeout(60)
+def test_output_without_newlines_is_passed_on_in_bounded_pieces(tmp_path):
+    from tfdist.launch import output
+
+    script = _script(tmp_path, """
+        sys.stdout.write("x" * (3 * 65536 + 10))
+        sys.stdout.write("\\nend\\n")
+    """)
+    result, out, _ = _run([PY, script], num_workers=1)
+    assert result.ok
+    pieces = out.splitlines()
+    assert [len(p) for p in pieces] == [len("[worker:0] ") + output.MAX_LINE + len(
+        " [tfdist launch: line longer than 65536 bytes, continued on the next line]")] * 3 + [
+        len("[worker:0] ") + 10, len("[worker:0] end")]
+    assert "".join(p.split("] ", 1)[1].split(" [tfdist")[0] for p in pieces[:4]) == "x" * (
+        3 * 65536 + 10)
+
+
+@pytest.mark.timeout(120)
+def test_launcher_memory_stays_bounded_on_output_without_newlines(tmp_path):
+    """Two tasks write 100 MB each without a newline; the launcher stays far below that."""
+    script = _script(tmp_path, """
+        chunk = "x" * (1 << 20)
+        for _ in range(100):
+            sys.stdout.write(chunk)
+    """)
+    # A small parent process measures: a child forked from this (TensorFlow-sized) pytest
+    # process would count pytest's pages in its peak until it execs.
+    measure = ("import resource, subprocess, sys; "
+               "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, timeout=80); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    result = subprocess.run(
+        [PY, "-c", measure, PY, "-m", "tfdist.launch", "--num_workers=2", "--", PY, script],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+        timeout=110)
+    returncode, peak_kib = map(int, result.stdout.split())
+    assert returncode == 0, result.stderr
+    # The peak of the launcher and every process it started (KiB).
+    assert peak_kib < 100 * 1024, f"launcher peaked at {peak_kib // 1024} MiB"
+
+
+# --- the command line -------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_every_subcommand_help_names_the_subcommand():
+    from tfdist import cli
+
+    for command in cli.COMMANDS:
+        result = subprocess.run([PY, "-m", "tfdist.cli", command, "--help"], cwd=REPO,
+                                env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                                text=True, timeout=60)
+        usage = f"USAGE: tfdist {command} [flags]"  # was "USAGE: .../tfdist [flags]"
+        assert result.stdout.lstrip().startswith(usage), result.stdout[:300] + result.stderr
+        if command != "presets":  # the one command without flags
+            assert f"\ntfdist {command}:\n" in result.stdout  # its own flags are listed
+    result = subprocess.run([PY, "-m", "tfdist.launch", "--help"], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.lstrip().startswith(
+        "USAGE: python -m tfdist.launch [flags] -- COMMAND [ARGS...]")
+    text = " ".join(result.stdout.split())
+    for needle in ("the launcher's own interpreter", "TFDIST_LAUNCH_ATTEMPT (1 for the first "
+                   "start", "TFDIST_JOB_DIR", "trusted network", "--progress_timeout",
+                   "--network", "--nnodes", "--coordinator"):
+        assert needle in text, needle
