@@ -124,9 +124,6 @@ def parse_coordinator(coordinator) -> tuple[str, int]:
     except ValueError as e:
         raise ValueError(f"{e} Example: --coordinator=10.0.0.1:29400 (node 0's address and a "
                          f"free port).") from None
-    if port == 0:
-        raise ValueError(f"coordinator needs a fixed port, not 0: every node must know it. "
-                         f"Received: coordinator={coordinator!r}")
     return host.strip("[]"), port
 
 
