@@ -1,0 +1,63 @@
+"""Real faults under `tfdist launch`, with TensorFlow: kills in the middle of an epoch, of the
+chief, twice, of two tasks at once (MultiWorkerMirrored), and of a parameter-server worker.
+
+Every launch is bounded (`timeout`) and the tests check that no task outlived it.
+"""
+
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tfdist import launch as launch_lib
+from tests import multi_worker_script as script
+from tests.helpers import REPO, alive
+
+SCRIPT = os.path.join(REPO, "tests", "_launch_fault_script.py")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same training, uninterrupted, as one replica (see tests/test_multi_worker.py)."""
+    import tfdist
+
+    return script.train(tfdist.make_strategy("mirrored", devices=("/cpu:0",)), "tfdata")
+
+
+def _launch(args, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    env = dict(os.environ, PYTHONPATH=REPO)
+    result = launch_lib.launch([sys.executable, SCRIPT, *args], stdout=out, stderr=err, env=env,
+                               grace_period=3.0, **kwargs)
+    assert not any(alive(t.pid) for t in result.tasks), "a task outlived the launcher"
+    return result, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.timeout(420)
+def test_kills_mid_epoch_of_the_chief_twice_and_together_resume_exactly(tmp_path, reference):
+    """Attempt 1: worker:0 dies mid-epoch 2. Attempt 2: the chief and worker:0 die together
+    mid-epoch 3. Attempt 3 finishes: both tasks end equal to the uninterrupted run."""
+    steps = script.STEPS
+    first, second = steps + steps // 2, 2 * steps + steps // 2  # 12 and 20: mid-epoch
+    backup = tmp_path / "backup"
+    result, out, err = _launch(
+        ["--out", str(tmp_path), "--backup", str(backup), "--kill", f"1:worker:0:{first}",
+         "--kill", f"2:chief:0:{second}", "--kill", f"2:worker:0:{second}"],
+        num_workers=1, chief=True, max_restarts=2, timeout=380)
+    assert result.returncode == 0, out[-3000:] + err[-3000:]
+    assert result.attempts == 3
+    assert f"[worker:0] killing myself at step {first}" in out
+    assert f"[chief:0] killing myself at step {second}" in out
+    assert f"[worker:0] killing myself at step {second}" in out
+    assert "worker:0 was killed by SIGKILL; stopped the other tasks" in err
+    # Each attempt resumed from the last epoch that finished before its kill.
+    for task in ("chief:0", "worker:0"):
+        assert out.count(f"[{task}] resuming at epoch ") == 3
+        assert f"[{task}] resuming at epoch 1" in out and f"[{task}] resuming at epoch 2" in out
+    for task in ("chief0", "worker0"):
+        weights = np.load(tmp_path / f"{task}.npy")
+        np.testing.assert_allclose(weights, reference, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.load(tmp_path / "chief0.npy"),
+                                  np.load(tmp_path / "worker0.npy"))
