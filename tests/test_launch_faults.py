@@ -6,6 +6,7 @@ Every launch is bounded (`timeout`) and the tests check that no task outlived it
 
 import io
 import os
+import re
 import sys
 
 import numpy as np
@@ -16,6 +17,7 @@ from tests import multi_worker_script as script
 from tests.helpers import REPO, alive
 
 SCRIPT = os.path.join(REPO, "tests", "_launch_fault_script.py")
+STARTED = re.compile(r"^\[(\w+:\d+)\] \1 pid=(\d+)$")  # _launch_ps_script.py's first line
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +63,70 @@ def test_kills_mid_epoch_of_the_chief_twice_and_together_resume_exactly(tmp_path
         np.testing.assert_allclose(weights, reference, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(np.load(tmp_path / "chief0.npy"),
                                   np.load(tmp_path / "worker0.npy"))
+
+
+@pytest.mark.timeout(300)
+def test_killed_parameter_server_worker_is_restarted_alone_and_the_job_finishes(tmp_path):
+    """SIGKILL of one worker used to end the whole job at exit 137."""
+    import json
+    import queue
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    cmd = [sys.executable, "-m", "tfdist.launch", "--num_workers=2", "--num_ps=1", "--chief",
+           "--timeout=260", "--grace_period=2", "--",
+           sys.executable, os.path.join(REPO, "tests", "_launch_ps_script.py"), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    keep: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            keep.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 260
+
+    def wait_for(predicate):
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            assert line is not None, "".join(keep[-60:])
+            if predicate(line):
+                return line
+        raise AssertionError("timed out; output:\n" + "".join(keep[-60:]))
+
+    pids = {}
+    try:
+        wait_for(lambda line: line.startswith("[chief:0] {") and '"epoch"' in line)
+        for line in keep:
+            match = STARTED.match(line)
+            if match:
+                pids[match[1]] = int(match[2])
+        os.kill(pids["worker:1"], signal.SIGKILL)
+        wait_for(lambda line: "restarting it alone on the same address" in line)
+        wait_for(lambda line: (STARTED.match(line) or [None, None])[1] == "worker:1")
+        wait_for(lambda line: line.startswith("[worker:1] tfdist-test-step-ran"))
+        (tmp_path / "rejoined").write_text("1")
+        done = json.loads(wait_for(lambda line: '"done"' in line).split("] ", 1)[1])
+        assert proc.wait(timeout=60) == 0, "".join(keep[-60:])
+    finally:
+        proc.kill()
+        proc.wait()
+    text = "".join(keep)
+    assert ("worker:1 was killed by SIGKILL; restarting it alone on the same address "
+            "(restart 1 of 3); the other tasks keep running") in text
+    assert "chief:0 exited 0: the job succeeded" in text
+    # Only worker:1 started twice; the chief, ps:0 and worker:0 ran once throughout.
+    starts = [match[1] for match in map(STARTED.match, keep) if match]
+    assert sorted(starts) == ["chief:0", "ps:0", "worker:0", "worker:1", "worker:1"]
+    # Every scheduled step was applied: the killed worker's steps ran elsewhere.
+    assert done["iterations"] == done["scheduled"], done
+    assert not any(alive(p) for p in pids.values())
