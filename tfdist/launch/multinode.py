@@ -69,6 +69,7 @@ class Channel:
         self._inbox = inbox
         self._send_lock = threading.Lock()
         self.closed = False
+        self.lost: str | None = None  # why the connection ended, once it did
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self._thread = threading.Thread(target=self._read, daemon=True,
                                         name=f"tfdist-rdzv-{name}")
@@ -92,8 +93,11 @@ class Channel:
                     self._inbox.put((self, message))
                 if len(buf) > MAX_MESSAGE:
                     raise ValueError("message too long")
-        except (OSError, ValueError):
-            pass
+            self.lost = "it closed"
+        except OSError as e:
+            self.lost = e.strerror or str(e)
+        except ValueError as e:
+            self.lost = f"malformed message: {e}"
         self._inbox.put((self, None))
 
     def send(self, **message) -> bool:
@@ -648,9 +652,9 @@ def _run_node_attempt(channel: Channel, inbox: queue.Queue, group: supervisor.Gr
             elif op == "note":
                 say(message.get("message", ""))
         if message is None or now - channel.last_received > node_timeout:
-            why = ("the connection to the coordinator closed" if message is None else
-                   f"no word from the coordinator for {node_timeout:g} s (--node_timeout): "
-                   f"node 0 died or the network to it failed")
+            why = (f"lost the connection to the coordinator ({channel.lost})" if message is None
+                   else f"no word from the coordinator for {node_timeout:g} s (--node_timeout)")
+            why += ": node 0 died or the network to it failed"
             failure = local_failure or {"returncode": 1, "failed_task": None, "message": ""}
             return {**failure, "restart": False,
                     "message": f"{failure['message']} {why}; stopped this node's tasks.".strip()}
