@@ -41,7 +41,7 @@ def test_prefixes_output_and_sets_tf_config(tmp_path):
     script = _script(tmp_path, """
         print("hello from", NAME, json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][1])
         print("to stderr", file=sys.stderr)
-        job_dir = os.environ["TFDIST_JOB_DIR"]
+        job_dir = os.environ["TFDIST_SCRATCH_DIR"]
         open(os.path.join(job_dir, NAME.replace(":", "")), "w").write("scratch")
         print("job dir", job_dir, os.path.isdir(job_dir), oct(os.stat(job_dir).st_mode & 0o777))
         print("attempt", os.environ["TFDIST_LAUNCH_ATTEMPT"])
@@ -54,7 +54,7 @@ def test_prefixes_output_and_sets_tf_config(tmp_path):
     assert "[worker:1] to stderr" in err
     assert "[worker:0] attempt 1" in out and "[worker:1] attempt 1" in out
     assert all(a.startswith("127.0.0.1:") for a in result.cluster.worker)
-    assert "TF_CONFIG" not in os.environ and "TFDIST_JOB_DIR" not in os.environ
+    assert "TF_CONFIG" not in os.environ and "TFDIST_SCRATCH_DIR" not in os.environ
     # One scratch directory for the job, private, removed when the job ends.
     job_dirs = {line.split()[3] for line in out.splitlines() if " job dir " in line}
     assert len(job_dirs) == 1 and "True 0o700" in out, out
@@ -330,7 +330,7 @@ def test_cli_without_a_command_fails_with_usage():
 
 # --- the job's end policy ---------------------------------------------------------------------
 _PS_JOB = """
-    job = os.environ["TFDIST_JOB_DIR"]
+    job = os.environ["TFDIST_SCRATCH_DIR"]
     first = os.path.join(job, "worker1-first-start")
     back = os.path.join(job, "worker1-back")
     os.write(1, f"{NAME} pid={os.getpid()}{chr(10)}".encode())
@@ -524,6 +524,6 @@ def test_every_subcommand_help_names_the_subcommand():
         "USAGE: python -m tfdist.launch [flags] -- COMMAND [ARGS...]")
     text = " ".join(result.stdout.split())
     for needle in ("the launcher's own interpreter", "TFDIST_LAUNCH_ATTEMPT (1 for the first "
-                   "start", "TFDIST_JOB_DIR", "trusted network", "--progress_timeout",
+                   "start", "TFDIST_SCRATCH_DIR", "trusted network", "--progress_timeout",
                    "--network", "--nnodes", "--coordinator"):
         assert needle in text, needle

@@ -9,7 +9,7 @@ The command: a bare `python`, `python3` or `python3.X` runs with the
 launcher's own interpreter (the one tfdist is installed in), not the first
 one on PATH; give a full path for another. Each task gets TF_CONFIG,
 TFDIST_LAUNCH_ATTEMPT (1 for the first start, 2 after the first group
-restart, ...) and TFDIST_JOB_DIR (a private scratch directory removed when
+restart, ...) and TFDIST_SCRATCH_DIR (a private scratch directory removed when
 the job ends). Output lines are prefixed with the task (`[worker:1] ...`);
 TensorFlow's C++ start-up lines are dropped unless --verbosity=1.
 

@@ -15,7 +15,7 @@ One module per job:
 - `policy`: how task exits end a job (shared by the local and multi-node forms);
 - `isolation`: the private network namespace and the job keeper (no orphans);
 - `output`: the tasks' output relay; `program`: the command's checks;
-- `jobdir`: the per-job scratch directory (`TFDIST_JOB_DIR`).
+- `jobdir`: the per-job scratch directory (`TFDIST_SCRATCH_DIR`).
 """
 
 from tfdist.launch.isolation import IsolationError

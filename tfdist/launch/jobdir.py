@@ -1,4 +1,4 @@
-"""A scratch directory per launched job: `TFDIST_JOB_DIR` in every task's environment.
+"""A scratch directory per launched job: `TFDIST_SCRATCH_DIR` in every task's environment.
 
 The launcher creates it (mode 0700, in the system's temporary directory) before
 the first task starts, keeps it across restarts, and removes it when the job
@@ -17,7 +17,8 @@ import os
 import shutil
 import tempfile
 
-ENV_VAR = "TFDIST_JOB_DIR"
+# The name tfdist.chief reads (its SCRATCH_ENV): task scratch goes inside.
+ENV_VAR = "TFDIST_SCRATCH_DIR"
 _PREFIX = "tfdist-job-"
 
 

@@ -6,7 +6,7 @@
 What it does, like torchrun / horovodrun for TensorFlow:
 - gives each task its TF_CONFIG in the task's environment (never in ours), on
   free ports, plus `TFDIST_LAUNCH_ATTEMPT` (1, 2, ... per group restart) and
-  `TFDIST_JOB_DIR` (a scratch directory removed when the job ends);
+  `TFDIST_SCRATCH_DIR` (a scratch directory removed when the job ends);
 - runs the tasks in a private loopback-only network namespace where the OS
   allows it (`tfdist.launch.isolation`): TensorFlow's servers listen on every
   interface and run any op they are sent;
