@@ -91,9 +91,37 @@ def _env_list(env: Mapping[str, Any] | None) -> list[dict[str, str]]:
     return out
 
 
+# The CRDs' pattern for resource quantities (e.g. kubeflow.org_tfjobs.yaml of
+# training-operator release-1.9, minResources).
+_QUANTITY = re.compile(r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                       r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?")
+_RESOURCE_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*"
+                            r"[A-Za-z0-9])?")
+
+
+def _limits(resources: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """Container resource limits as Kubernetes quantities (strings: '2', '500m', '4Gi')."""
+    if not resources:
+        return None
+    limits = {}
+    for key, value in resources.items():
+        if not isinstance(key, str) or not _RESOURCE_NAME.fullmatch(key):
+            raise TFConfigError(
+                f"resources: {received(key)} is not a resource name (e.g. 'cpu', 'memory', "
+                f"'nvidia.com/gpu').")
+        text = str(value) if isinstance(value, (int, float, str)) and not isinstance(
+            value, bool) else None
+        if text is None or not _QUANTITY.fullmatch(text):
+            raise TFConfigError(
+                f"resources[{key!r}] must be a Kubernetes quantity such as 2, '500m' or '4Gi'. "
+                f"Received: {received(value)}.")
+        limits[key] = text
+    return limits
+
+
 def _container(*, name: str, image: str, command: list[str], port: int,
                port_name: str | None, env: list[dict[str, Any]],
-               resources: Mapping[str, Any] | None) -> dict[str, Any]:
+               resources: dict[str, str] | None) -> dict[str, Any]:
     container: dict[str, Any] = {"name": name, "image": image, "command": command}
     port_spec: dict[str, Any] = {"containerPort": port}
     if port_name:
@@ -102,7 +130,7 @@ def _container(*, name: str, image: str, command: list[str], port: int,
     if env:
         container["env"] = env
     if resources:
-        container["resources"] = {"limits": {str(k): v for k, v in resources.items()}}
+        container["resources"] = {"limits": resources}
     return container
 
 
@@ -155,7 +183,7 @@ def kubernetes_tfjob(*, name: str, image: str, command: Sequence[str] | str, num
             f"clean_pod_policy must be one of {', '.join(_CLEAN_POD_POLICIES)}. "
             f"Received: clean_pod_policy={received(clean_pod_policy)}.")
     container = _container(name="tensorflow", image=image, command=command, port=port,
-                           port_name="tfjob-port", env=_env_list(env), resources=resources)
+                           port_name="tfjob-port", env=_env_list(env), resources=_limits(resources))
     replicas = {"Chief": int(bool(chief)), "Worker": num_workers, "PS": num_ps,
                 "Evaluator": int(bool(evaluator))}
     specs = {kind: {"replicas": n, "restartPolicy": restart_policy,
@@ -377,7 +405,7 @@ def kubernetes_trainjob(*, name: str, image: str, command: Sequence[str] | str,
                 {"name": "TF_CONFIG", "value": tf_config}, *_env_list(env)],
     }
     if resources:
-        trainer["resourcesPerNode"] = {"limits": {str(k): v for k, v in resources.items()}}
+        trainer["resourcesPerNode"] = {"limits": _limits(resources)}
     metadata: dict[str, Any] = {"name": name}
     if namespace is not None:
         metadata["namespace"] = namespace

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 
@@ -167,7 +168,7 @@ def node_addresses(nodes: Sequence[str]) -> dict[str, str]:
 
 def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 8888,
                     num_ps: int = 0, chief: bool = False, evaluator: bool = False,
-                    num_workers: int | None = None, addresses: str = "name",
+                    num_workers: int | None = None, addresses: str = "auto",
                     rpc_layer: str | None = None) -> TFConfig:
     """This SLURM task's TF_CONFIG, from the job step's environment.
 
@@ -190,9 +191,10 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 888
       num_workers: the number of workers the job expects; the step must then
         have exactly that many tasks left after the other roles (None: every
         remaining task is a worker).
-      addresses: 'name' (the node names, as DNS knows them) or 'nodeaddr'
+      addresses: 'name' (the node names, as DNS knows them), 'nodeaddr'
         (SLURM's NodeAddr of each node, from `scontrol show node`: for nodes
-        whose names do not resolve, or whose NodeAddr is the interface to use).
+        whose names do not resolve, or whose NodeAddr is the interface to use)
+        or 'auto' (the name where it resolves, else the NodeAddr).
         Nodes that share an address (e.g. test nodes on one machine) get
         distinct ports: the k-th task on an *address* listens on `port + k`.
       rpc_layer: an optional TF_CONFIG rpc_layer.
@@ -206,9 +208,10 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 888
     check_count("port", port, 1, 65535)
     if num_workers is not None:
         check_count("num_workers", num_workers, 1)
-    if addresses not in ("name", "nodeaddr"):
+    if addresses not in ("name", "nodeaddr", "auto"):
         raise TFConfigError(
-            f"addresses must be 'name' or 'nodeaddr'. Received: addresses={received(addresses)}.")
+            f"addresses must be 'name', 'nodeaddr' or 'auto'. Received: "
+            f"addresses={received(addresses)}.")
     procid = _slurm_var(environ, "SLURM_PROCID")
     nodelist = _slurm_var(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     per_node = _slurm_var(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
@@ -254,7 +257,11 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 888
             f"The SLURM step has {num_tasks} task(s) ({per_node[0]}={per_node[1]}) but the "
             f"roles asked for ({asked}) need {more}{need}. Run srun with --ntasks={need}, "
             f"or ask for roles that add up to {num_tasks}.")
-    by_node = node_addresses(hosts) if addresses == "nodeaddr" else {h: h for h in hosts}
+    by_node = {h: h for h in hosts}
+    if addresses != "name":
+        lookup = hosts if addresses == "nodeaddr" else [h for h in hosts if not _resolves(h)]
+        if lookup:
+            by_node.update(node_addresses(lookup))
     next_port: dict[str, int] = {}
     task_addresses = []
     for host, n in zip(hosts, counts):
@@ -288,6 +295,14 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *, port: int = 888
         split_address(address, what=f"the address of a task on {nodelist[0]}")
     return TFConfig(cluster=Cluster(**assigned), task_type=task_type, task_id=task_id,
                     rpc_layer=rpc_layer)
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return True
 
 
 def _node_index(counts: Sequence[int], rank: int) -> int:
