@@ -114,6 +114,7 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         opts = preset
     else:
         opts = make_options(preset, **options)
+    _check_tf_config()
     strategy = get_preset(opts.preset).factory(opts)
     from tfdist.compat import _owner
 
@@ -125,6 +126,22 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         optimizer_update.install()
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
+
+
+def _check_tf_config() -> None:
+    """A bad TF_CONFIG is a clear error before any preset starts TensorFlow.
+
+    TensorFlow reads TF_CONFIG while building strategies that never use a
+    cluster too (MirroredStrategy does), and fails on a broken one with
+    TypeError, JSONDecodeError or RecursionError.
+    """
+    from tfdist import cluster as cluster_lib
+
+    if cluster_lib.tf_config_from_env() is None and os.environ.get("TF_CONFIG") not in (
+            None, "{}"):
+        # tfdist reads a blank TF_CONFIG as "no cluster"; TensorFlow's resolver
+        # cannot parse it. Say the same thing in TensorFlow's words.
+        os.environ["TF_CONFIG"] = "{}"
 
 
 def describe(strategy, global_batch_size: int | None = None) -> str:
