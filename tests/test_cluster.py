@@ -12,7 +12,6 @@ import sys
 import warnings
 
 import pytest
-import yaml
 
 from tfdist import cluster as C
 from tfdist.cluster import ports as ports_lib
