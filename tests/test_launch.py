@@ -527,3 +527,57 @@ def test_every_subcommand_help_names_the_subcommand():
                    "start", "TFDIST_SCRATCH_DIR", "trusted network", "--progress_timeout",
                    "--network", "--nnodes", "--coordinator"):
         assert needle in text, needle
+
+
+_UNPRIVILEGED_DRIVER = """
+import os, subprocess, sys
+keeper_script, enter_script = sys.argv[1:3]
+keeper = subprocess.Popen([sys.executable, "-I", "-S", keeper_script, "--private-network"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          start_new_session=True)
+print(keeper.stdout.readline().strip())
+user = os.open(f"/proc/{keeper.pid}/ns/user", os.O_RDONLY)
+net = os.open(f"/proc/{keeper.pid}/ns/net", os.O_RDONLY)
+code = ("import os, socket; s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen(); "
+        "print(os.getuid(), os.getgid(), "
+        "[l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]])")
+task = subprocess.run([sys.executable, "-I", "-S", enter_script, str(os.getpid()), str(user),
+                       str(net), sys.executable, "-c", code], pass_fds=(user, net),
+                      capture_output=True, text=True, timeout=30)
+print(task.stdout.strip(), task.stderr.strip())
+keeper.stdin.close()
+keeper.wait(timeout=30)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_private_network_for_an_unprivileged_user():
+    """Not root: the keeper makes the namespace inside a user namespace mapping our own ids."""
+    import shutil
+
+    from tfdist.launch import isolation
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to the unprivileged user 'nobody'")
+    nobody = {"user": 65534, "group": 65534, "extra_groups": [], "cwd": "/"}
+    probe = f"open({isolation.KEEPER_SCRIPT!r}); open({isolation.ENTER_SCRIPT!r})"
+
+    def usable(python):
+        try:
+            return subprocess.run([python, "-c", probe], capture_output=True, timeout=30,
+                                  **nobody).returncode == 0
+        except OSError:  # 'nobody' may not execute it
+            return False
+
+    python = next((p for p in (sys.executable, "/usr/bin/python3", shutil.which("python3"))
+                   if p and usable(p)), None)
+    if python is None:
+        pytest.skip("no Python that user 'nobody' may run with tfdist's scripts readable")
+    result = subprocess.run([python, "-c", _UNPRIVILEGED_DRIVER, isolation.KEEPER_SCRIPT,
+                             isolation.ENTER_SCRIPT], capture_output=True, text=True,
+                            timeout=50, **nobody)
+    lines = result.stdout.splitlines()
+    if lines and lines[0].startswith("unavailable"):
+        pytest.skip(f"unprivileged user namespaces are not allowed here: {lines[0]}")
+    assert [line.strip() for line in lines[:2]] == ["ready private", "65534 65534 ['lo']"], (
+        result.stdout + result.stderr)

@@ -32,7 +32,6 @@ the coordinator's port from everything else.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import socket
 import sys
@@ -405,8 +404,8 @@ def _connect(address: tuple[str, int], deadline: float, say) -> socket.socket:
         except OSError as e:
             if time.monotonic() > deadline:
                 raise RendezvousError(
-                    f"could not reach the coordinator at {address[0]}:{address[1]} ({e.strerror or e}) "
-                    f"within --join_timeout: start node 0 (it runs the coordinator), check the "
+                    f"could not reach the coordinator at {address[0]}:{address[1]} "
+                    f"({e.strerror or e}) within --join_timeout: start node 0 (it runs the coordinator), check the "
                     f"address and that its port is open between the machines") from None
             if not told:
                 say(f"waiting for the coordinator at {address[0]}:{address[1]} ...")

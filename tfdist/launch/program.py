@@ -22,6 +22,8 @@ import sys
 from typing import Mapping, Sequence
 
 _PY_OPTIONS_WITH_VALUE = ("-W", "-X", "-Q")
+# Mach-O magic numbers (macOS binaries), which, like ELF, need no #! line.
+_MACH_O = (b"\xca\xfe\xba\xbe", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe")
 
 
 def python_names() -> tuple[str, ...]:
@@ -70,7 +72,7 @@ def _check_executable(path: str, cmd: Sequence[str]) -> None:
                 f"{interpreter!r} is not an executable file here. Fix the #! line, or start "
                 f"the script with its interpreter (e.g. `python {path}`).", cmd)
         return
-    if head and not head.startswith((b"\xca\xfe\xba\xbe", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe")):
+    if head and not head.startswith(_MACH_O):
         raise _error(
             f"{path!r} is neither a binary nor a script with a #! line, so the system cannot "
             f"run it (Exec format error). Add a #! line (e.g. #!/bin/sh) or start it with its "
