@@ -5,7 +5,11 @@ Worker and ps tasks print their pid and serve inside `make_strategy` (never
 return). The chief trains epochs of plain `model.fit`, printing JSON lines:
 
   {"event": "epoch", "epoch": e, "iterations": n}
-  {"event": "done", "iterations": n, "scheduled": s}
+  {"event": "done", "iterations": n, "scheduled": s, "rerun_after_write": r}
+
+`rerun_after_write` counts steps that ran twice because a worker died after
+their first run had written (the parameter-server work's step accounting,
+`tfdist.ps.CoordinatorTrainer`; 0 where that accounting is not available).
 
 After its first epoch it keeps training, one epoch at a time, until the file
 DIR/rejoined exists (the test writes it once it has killed worker:1 and seen
@@ -51,17 +55,30 @@ def main(workdir: str) -> None:
     def emit(**event):
         print(json.dumps(event), flush=True)
 
-    steps, scheduled, epoch = 20, 0, 0
+    try:
+        from tfdist.ps import CoordinatorTrainer
+    except ImportError:
+        CoordinatorTrainer = None
+
+    def reruns_after_write() -> int:
+        if CoordinatorTrainer is None:
+            return 0
+        return CoordinatorTrainer.for_model(model).last_report.rerun_after_write
+
+    steps, scheduled, epoch, reruns = 20, 0, 0, 0
     deadline = time.monotonic() + 120
     while epoch == 0 or (not os.path.exists(os.path.join(workdir, "rejoined"))
                          and time.monotonic() < deadline):
         model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
         scheduled += steps
+        reruns += reruns_after_write()
         emit(event="epoch", epoch=epoch, iterations=int(model.optimizer.iterations.numpy()))
         epoch += 1
     model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)  # with worker:1 back
     scheduled += steps
-    emit(event="done", iterations=int(model.optimizer.iterations.numpy()), scheduled=scheduled)
+    reruns += reruns_after_write()
+    emit(event="done", iterations=int(model.optimizer.iterations.numpy()), scheduled=scheduled,
+         rerun_after_write=reruns)
 
 
 if __name__ == "__main__":
