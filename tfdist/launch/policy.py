@@ -24,6 +24,8 @@ import dataclasses
 import signal
 from typing import Iterable, Sequence
 
+from tfdist import cluster as cluster_lib
+
 TIMEOUT_EXIT_CODE = 124  # like coreutils `timeout`
 DEFAULT_WORKER_RESTARTS = 3
 
@@ -51,7 +53,8 @@ class LaunchResult:
       failed_task: the task that failed the last attempt, if any.
       message: one line saying what happened.
       tasks: how each task of the last attempt ended.
-      cluster: the last attempt's cluster.
+      cluster: the last attempt's cluster (None: a multi-node job that ended
+        before its nodes formed one).
     """
 
     returncode: int
@@ -59,7 +62,7 @@ class LaunchResult:
     failed_task: str | None
     message: str
     tasks: tuple[TaskExit, ...]
-    cluster: object
+    cluster: cluster_lib.Cluster | None
 
     @property
     def ok(self) -> bool:
