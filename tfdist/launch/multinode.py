@@ -31,8 +31,10 @@ the coordinator's port from everything else.
 
 from __future__ import annotations
 
+import errno
 import json
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -153,8 +155,6 @@ class Coordinator:
             self._server.bind(address)
         except OSError as e:
             self._server.close()
-            import errno
-
             if e.errno == errno.EADDRINUSE:
                 raise ValueError(
                     f"The coordinator's port {address[1]} is in use on this machine. Received: "
@@ -514,7 +514,7 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
         channel = Channel(sock, inbox, name="coordinator")
         host = node_address or sock.getsockname()[0]
         base_env = supervisor.task_env(env, job_dir=job_dir.path, startup_logs=startup_logs)
-        with supervisor._Signals() as signals:
+        with supervisor.Signals() as signals:
             return _node_loop(
                 channel, inbox, prog=prog, host=host, here=here, nnodes=nnodes,
                 node_rank=node_rank, base_env=base_env, keeper=keeper, relay=relay,
@@ -606,9 +606,7 @@ def _run_node_attempt(channel: Channel, inbox: queue.Queue, group: supervisor.Gr
             channel.send(op="ping")
             last_ping = now
         if signals.received is not None:
-            import signal as signal_lib
-
-            name = signal_lib.Signals(signals.received).name
+            name = signal.Signals(signals.received).name
             channel.send(op="signal", attempt=attempt, reason=f"got {name}",
                          returncode=128 + signals.received)
             return {"returncode": 128 + signals.received,

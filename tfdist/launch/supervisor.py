@@ -22,6 +22,7 @@ What it does, like torchrun / horovodrun for TensorFlow:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import resource
@@ -165,8 +166,6 @@ class Group:
 
 
 def _os_error_fix(e: OSError) -> str:
-    import errno
-
     if e.errno in (errno.EMFILE, errno.ENFILE):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         return (f"The launcher ran out of file descriptors (ulimit -n is {soft}): raise it "
@@ -184,7 +183,7 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-class _Signals:
+class Signals:
     """Turns SIGINT/SIGTERM/SIGHUP into a flag while launch() runs (main thread only)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -371,7 +370,7 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
         job_dir = jobdir.JobDir()
         relay = output.Relay(out=out, err=err, lock=lock, startup_logs=startup_logs)
         base_env = task_env(env, job_dir=job_dir.path, startup_logs=startup_logs)
-        with _Signals() as signals:
+        with Signals() as signals:
             attempt = 0
             while True:
                 attempt += 1
@@ -413,7 +412,7 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
 
 
 def _supervise(group: Group, rules: policy.JobPolicy, *, keeper: isolation.JobKeeper,
-               signals: _Signals, deadline: float | None, progress_timeout: float | None,
+               signals: Signals, deadline: float | None, progress_timeout: float | None,
                grace_period: float, say) -> policy.End:
     """Runs one attempt to its end; the group is stopped when this returns."""
     while True:
