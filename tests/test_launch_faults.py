@@ -121,6 +121,7 @@ def test_killed_parameter_server_worker_is_restarted_alone_and_the_job_finishes(
         proc.kill()
         proc.wait()
     text = "".join(keep)
+    print("chief's count:", done)  # shown with pytest -s
     assert ("worker:1 was killed by SIGKILL; restarting it alone on the same address "
             "(restart 1 of 3); the other tasks keep running") in text
     assert "chief:0 exited 0: the job succeeded" in text
