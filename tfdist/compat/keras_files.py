@@ -91,9 +91,8 @@ def role(strategy: Any) -> str | None:
         tf = import_tensorflow()
         result = None
         if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            extended = strategy.extended
-            if extended._in_multi_worker_mode():
-                result = "chief" if extended.should_checkpoint else "other"
+            if is_multi_worker(strategy):
+                result = "chief" if strategy.extended.should_checkpoint else "other"
         _roles[strategy] = result
         return result
 
@@ -109,6 +108,23 @@ def _archive_role(archive: Any) -> str | None:
         if strategy is not None:
             return role(strategy)
     return None
+
+
+def is_multi_worker(strategy: Any) -> bool:
+    """True for a MultiWorkerMirroredStrategy (anyone's) that spans more than one worker."""
+    tf = import_tensorflow()
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def set_initial_epoch(model: Any, epoch: int) -> None:
+    """Makes the running `fit` start at `epoch`, as keras.callbacks.BackupAndRestore does.
+
+    Raises:
+      CompatError: this Keras version has no `Trainer._initial_epoch`.
+    """
+    require_attributes(model, "_initial_epoch", what="the Keras model (Trainer)")
+    model._initial_epoch = epoch
 
 
 _barriers: "weakref.WeakKeyDictionary[Any, Callable]" = weakref.WeakKeyDictionary()
@@ -490,5 +506,5 @@ def uninstall() -> tuple[str, ...]:
     return _uninstall(NAMES)
 
 
-__all__ = ["CompatError", "NAMES", "barrier", "install", "role", "sweep_partial_writes",
-           "uninstall", "write_as"]
+__all__ = ["CompatError", "NAMES", "barrier", "install", "is_multi_worker", "role",
+           "set_initial_epoch", "sweep_partial_writes", "uninstall", "write_as"]
