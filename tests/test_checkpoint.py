@@ -207,3 +207,30 @@ def test_finishing_removes_only_the_backups_own_files(tmp_path):
     model.fit(backup.dataset(_data()), epochs=2, steps_per_epoch=2, callbacks=[backup],
               verbose=0, shuffle=False)
     assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_a_save_that_dies_half_way_keeps_the_previous_backup(tmp_path, monkeypatch):
+    import tfdist
+    from tfdist import checkpoint
+
+    original = checkpoint._atomic_write_bytes
+
+    class Killed(BaseException):
+        pass
+
+    def dies_in_epoch_2(path, write):
+        if path.endswith("backup-epoch000002.npz"):
+            def half(f):
+                f.write(b"PK\x03\x04 half")
+                raise Killed()
+            return original(path, half)
+        return original(path, write)
+
+    monkeypatch.setattr(checkpoint, "_atomic_write_bytes", dies_in_epoch_2)
+    model = _two_branch("ab")
+    backup = tfdist.BackupAndRestore(str(tmp_path), delete_on_finish=False)
+    with pytest.raises(Killed):
+        model.fit(backup.dataset(_data()), epochs=3, steps_per_epoch=2, callbacks=[backup],
+                  verbose=0, shuffle=False)
+    assert sorted(os.listdir(tmp_path)) == ["backup-epoch000001.npz", "tfdist_backup.json"]
+    assert tfdist.BackupAndRestore(str(tmp_path)).initial_epoch == 1

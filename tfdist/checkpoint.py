@@ -406,7 +406,7 @@ class BackupAndRestore(_make_callback_base()):
     def on_train_end(self, logs=None):
         if self.delete_on_finish and not self.model.stop_training:
             if self._is_chief:
-                self._remove_backup_files(keep=None)
+                self._remove_backup_files()
                 try:
                     os.rmdir(self.backup_dir)
                 except OSError:
@@ -423,16 +423,16 @@ class BackupAndRestore(_make_callback_base()):
     def _variables(self):
         return tracked_variables(self.model)
 
-    def _remove_backup_files(self, keep: str | None) -> None:
+    def _remove_backup_files(self, keep: tuple[str, ...] = ()) -> None:
+        """Removes this callback's files in the folder (the pointer too) except `keep`."""
         try:
             names = os.listdir(self.backup_dir)
         except OSError:
             return
         for name in names:
-            if name == keep:
+            if name in keep:
                 continue
-            if _FILE.fullmatch(name) or name.startswith(_TMP) or (name == _STATE
-                                                                  and keep is None):
+            if _FILE.fullmatch(name) or name.startswith(_TMP) or name == _STATE:
                 try:
                     os.remove(os.path.join(self.backup_dir, name))
                 except OSError:
@@ -465,7 +465,11 @@ class BackupAndRestore(_make_callback_base()):
                  "file": name}
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
-            self._remove_backup_files(keep=_STATE)  # partial files of a killed save
+            # Partial files of a killed save go; the complete backup stays until the
+            # pointer names the new one.
+            current = self._last_epoch()
+            self._remove_backup_files(
+                keep=(_STATE, f"backup-epoch{current:06d}.npz") if current else (_STATE,))
             _atomic_write_bytes(os.path.join(self.backup_dir, name),
                                 lambda f: np.savez(f, **arrays))
             _atomic_write_bytes(os.path.join(self.backup_dir, _STATE),
@@ -475,7 +479,7 @@ class BackupAndRestore(_make_callback_base()):
                 f"tfdist.BackupAndRestore cannot write the backup of epoch {epochs_done} to "
                 f"{self.backup_dir} ({e.strerror or e}). Give the chief write access to it, "
                 f"free some space, or choose another backup_dir.") from None
-        self._remove_backup_files(keep=name)
+        self._remove_backup_files(keep=(_STATE, name))
         self._last_saved = epochs_done
 
     def _last_epoch(self) -> int:
