@@ -106,6 +106,7 @@ def run_tfdist(args, tf, keras, np, strategy, barrier, task, task_index):
     with strategy.scope():
         model = mdl.build(seed=0)
         _compile(keras, model)
+    os.makedirs(os.path.join(out, "sharded"), exist_ok=True)  # Keras does not create it
     for round_ in range(ROUNDS):
         callbacks = [
             keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt.weights.h5"),
@@ -118,6 +119,9 @@ def run_tfdist(args, tf, keras, np, strategy, barrier, task, task_index):
         model.fit(train, validation_data=val, epochs=1, callbacks=callbacks, verbose=0,
                   shuffle=False)
         model.save_weights(os.path.join(out, "direct.weights.h5"))
+        model.save_weights(os.path.join(out, "sharded", "sharded.weights.json"),
+                           max_shard_size=0.000002)
+        keras.saving.save_model(model, os.path.join(out, "function.keras"))
         model.save(os.path.join(out, "direct.keras"))
         model.save(os.path.join(out, "direct.h5"))
         model.export(os.path.join(out, "export"), verbose=False)
@@ -130,7 +134,8 @@ def run_tfdist(args, tf, keras, np, strategy, barrier, task, task_index):
                 fresh.load_weights(os.path.join(out, name))
                 report[f"round{round_}:{name}"] = max(
                     float(np.abs(a - b).max()) for a, b in zip(fresh.get_weights(), expected))
-            for name in ("ckpt.keras", "ckpt.h5", "direct.keras", "direct.h5"):
+            for name in ("ckpt.keras", "ckpt.h5", "direct.keras", "function.keras",
+                         "direct.h5"):
                 fresh = keras.saving.load_model(os.path.join(out, name), compile=False)
                 report[f"round{round_}:{name}"] = max(
                     float(np.abs(a - b).max()) for a, b in zip(fresh.get_weights(), expected))
@@ -139,36 +144,47 @@ def run_tfdist(args, tf, keras, np, strategy, barrier, task, task_index):
             model.predict(mdl.probe(), verbose=0))
     report["weights"] = [w.tolist() for w in model.get_weights()]
 
-    # Keras's BackupAndRestore: interrupted at the start of epoch 2, resumed in a
-    # fresh model; equal to an uninterrupted run (no shuffling: epochs are exact).
+    # Keras's BackupAndRestore (double_checkpoint: the previous backup is kept as .bkp):
+    # interrupted at the start of epoch 2, resumed in fresh models, once from the backup
+    # and once from a copy whose latest file the chief damaged (Keras then falls back to
+    # the .bkp of epoch 1). No shuffling, so the epochs are exact.
     class Interrupt(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == 2:
                 raise RuntimeError("interrupted")
 
-    backup_dir = os.path.join(out, "bar")
+    backup_dir, damaged_dir = os.path.join(out, "bar"), os.path.join(out, "bar_damaged")
     with strategy.scope():
         reference = mdl.build(seed=3)
-        _compile(keras, reference)
         interrupted = mdl.build(seed=3)
-        _compile(keras, interrupted)
         resumed = mdl.build(seed=4)
-        _compile(keras, resumed)
+        from_bkp = mdl.build(seed=5)
+        for m in (reference, interrupted, resumed, from_bkp):
+            _compile(keras, m)
     reference.fit(train, epochs=3, verbose=0, shuffle=False)
     try:
-        interrupted.fit(train, epochs=3, verbose=0, shuffle=False,
-                        callbacks=[keras.callbacks.BackupAndRestore(backup_dir), Interrupt()])
+        interrupted.fit(train, epochs=3, verbose=0, shuffle=False, callbacks=[
+            keras.callbacks.BackupAndRestore(backup_dir, double_checkpoint=True), Interrupt()])
     except RuntimeError as e:
         report["interrupted"] = str(e)
     barrier()
     report["backup_files"] = sorted(os.listdir(backup_dir))
+    if task_index == 0:
+        import shutil
+
+        shutil.copytree(backup_dir, damaged_dir)
+        with open(os.path.join(damaged_dir, "latest.weights.h5"), "wb") as f:
+            f.write(b"damaged")
     barrier()
-    history = resumed.fit(train, epochs=3, verbose=0, shuffle=False,
-                          callbacks=[keras.callbacks.BackupAndRestore(backup_dir)])
-    report["resumed_epochs"] = history.epoch
-    report["resume_vs_uninterrupted"] = max(
-        float(np.abs(a - b).max()) for a, b in zip(resumed.get_weights(), reference.get_weights()))
-    report["backup_left"] = os.path.exists(backup_dir)
+    for name, model_, folder in (("resumed", resumed, backup_dir),
+                                 ("from_bkp", from_bkp, damaged_dir)):
+        history = model_.fit(train, epochs=3, verbose=0, shuffle=False,
+                             callbacks=[keras.callbacks.BackupAndRestore(folder)])
+        report[f"{name}_epochs"] = history.epoch
+        report[f"{name}_vs_uninterrupted"] = max(
+            float(np.abs(a - b).max())
+            for a, b in zip(model_.get_weights(), reference.get_weights()))
+        report[f"{name}_backup_left"] = os.path.exists(folder)
 
     report["ordered"] = _ordered_writes(tf, keras, strategy, barrier, task_index,
                                         os.path.join(out, "ordered"))

@@ -35,7 +35,10 @@ for name in ("ckpt.weights.h5", "direct.weights.h5"):
     model = mdl.build(seed=9)
     model.load_weights(os.path.join(out, name))
     preds[name] = model.predict(x, verbose=0).tolist()
-for name in ("ckpt.keras", "ckpt.h5", "direct.keras", "direct.h5"):
+model = mdl.build(seed=9)
+model.load_weights(os.path.join(out, "sharded", "sharded.weights.json"))
+preds["sharded.weights.json"] = model.predict(x, verbose=0).tolist()
+for name in ("ckpt.keras", "ckpt.h5", "direct.keras", "function.keras", "direct.h5"):
     model = keras.saving.load_model(os.path.join(out, name), compile=False)
     preds[name] = model.predict(x, verbose=0).tolist()
 exported = tf.saved_model.load(os.path.join(out, "export"))
@@ -71,7 +74,7 @@ def test_every_keras_writer_leaves_one_intact_file_the_chiefs(tmp_path):
     np.testing.assert_array_equal(np.load(out / "preds_worker0.npy"),
                                   np.load(out / "preds_worker1.npy"))
     rounds = {k: v for k, v in chief.items() if k.startswith("round")}
-    assert len(rounds) == 3 * 6 and max(rounds.values()) == 0.0, rounds
+    assert len(rounds) == 3 * 7 and max(rounds.values()) == 0.0, rounds
 
     # Every final file loads in a plain process and predicts what the trained model does.
     loaded = run_python("-c", _LOADER, str(out), timeout=120)
@@ -87,13 +90,17 @@ def test_every_keras_writer_leaves_one_intact_file_the_chiefs(tmp_path):
     rows = (out / "log.csv").read_text().splitlines()
     assert rows[0].startswith("epoch,") and len(rows) == 1 + 3, rows
 
-    # Keras's BackupAndRestore: the chief's backup, restored on every worker, exact.
+    # Keras's BackupAndRestore: the chief's backup, restored on every worker, exact; from
+    # the previous backup (.bkp) when the latest is damaged.
     for report in (chief, other):
         assert report["interrupted"] == "interrupted"
-        assert report["backup_files"] == ["latest.weights.h5", "training_metadata.json"]
-        assert report["resumed_epochs"] == [2]
-        assert report["resume_vs_uninterrupted"] <= 1e-6, report["resume_vs_uninterrupted"]
-        assert not report["backup_left"]
+        assert report["backup_files"] == [
+            "latest.weights.h5", "latest.weights.h5.bkp", "training_metadata.json",
+            "training_metadata.json.bkp"]
+        assert report["resumed_epochs"] == [2] and report["from_bkp_epochs"] == [1, 2]
+        for name in ("resumed", "from_bkp"):
+            assert report[f"{name}_vs_uninterrupted"] <= 1e-6, report
+            assert not report[f"{name}_backup_left"]
     assert chief["weights"] == other["weights"]
 
     # Ordered probe: worker 1 wrote last, yet the files hold the chief's weights...
@@ -105,7 +112,8 @@ def test_every_keras_writer_leaves_one_intact_file_the_chiefs(tmp_path):
     # Nothing else was written: no partial siblings, no scratch left behind.
     expected_files = {
         "ckpt.weights.h5", "ckpt.keras", "ckpt.h5", "tb", "log.csv", "direct.weights.h5",
-        "direct.keras", "direct.h5", "export", "ordered", "unpatched", "preds_worker0.npy",
+        "sharded", "function.keras", "direct.keras", "direct.h5", "export", "ordered",
+        "unpatched", "preds_worker0.npy",
         "preds_worker1.npy", "report_worker0.json", "report_worker1.json"}
     assert set(os.listdir(out)) == expected_files
     assert sorted(os.listdir(out / "ordered")) == [

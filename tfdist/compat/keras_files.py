@@ -390,20 +390,24 @@ def _make_backup_train_begin(original):
     @passthrough(original, lambda self, *a, **k: _callback_role(self) == "other")
     def on_train_begin(self, logs=None):
         # Keras falls back to the previous backup by copying it over the
-        # damaged one; only the chief may write, so the others read the
-        # previous backup where it is.
+        # damaged one; only the chief may write there, so the others load a
+        # private copy of the previous backup (Keras loads only *.weights.h5).
+        tf = import_tensorflow()
         try:
             self._load_model()
         except OSError:
-            if not os.path.exists(self._prev_weights_path):
+            if not tf.io.gfile.exists(self._prev_weights_path):
                 raise
+            scratch = chief_lib.new_scratch("backup")
             latest = (self._weights_path, self._training_metadata_path)
-            self._weights_path = self._prev_weights_path
-            self._training_metadata_path = self._prev_training_metadata_path
             try:
+                self._weights_path = os.path.join(scratch, "previous.weights.h5")
+                tf.io.gfile.copy(self._prev_weights_path, self._weights_path)
+                self._training_metadata_path = self._prev_training_metadata_path
                 self._load_model()
             finally:
                 self._weights_path, self._training_metadata_path = latest
+                shutil.rmtree(scratch, ignore_errors=True)
 
     return on_train_begin
 
