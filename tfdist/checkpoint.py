@@ -234,25 +234,38 @@ def tracked_variables(model) -> "collections.OrderedDict[str, Any]":
         roots.append(("optimizer", optimizer))
     found: dict[int, tuple[str, Any]] = {}
     seen: set[int] = set()
-    queue = collections.deque(roots)
-    while queue:
-        path, obj = queue.popleft()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, (keras.Variable, tf.Variable)):
-            found[id(obj)] = (path, obj)
-            continue
-        if isinstance(obj, keras.metrics.Metric):
-            continue
-        try:
-            children = tf.train.TrackableView(obj).children(obj)
-        except (TypeError, AttributeError, ValueError):
-            continue
-        # Public attribute names first: a variable Keras also lists in a private,
-        # positional collection (`_variables/3`) is keyed by the name it was given.
-        for name in sorted(children, key=lambda n: (n.startswith("_"), n)):
-            queue.append((f"{path}/{name}", children[name]))
+    # One root at a time, the model first (without its optimizer): the optimizer
+    # also lists the model's variables (`_trainable_variables/0`), which must keep
+    # their model path.
+    for root in roots:
+        queue = collections.deque([root])
+        while queue:
+            path, obj = queue.popleft()
+            if id(obj) in seen:
+                continue
+            if obj is optimizer and path != "optimizer":
+                continue  # walked as its own root
+            seen.add(id(obj))
+            if isinstance(obj, (keras.Variable, tf.Variable)):
+                found[id(obj)] = (path, obj)
+                continue
+            if isinstance(obj, keras.metrics.Metric):
+                continue
+            try:
+                children = tf.train.TrackableView(obj).children(obj)
+            except (TypeError, AttributeError, ValueError):
+                continue
+            # Public attribute names first: a variable Keras also lists in a private,
+            # positional collection (`_variables/3`) is keyed by the name it was given.
+            for name in sorted(children, key=lambda n: (n.startswith("_"), n)):
+                queue.append((f"{path}/{name}", children[name]))
+
+    # Keras's own lists are the reference for what a model holds: what the graph
+    # does not reach (a SeedGenerator's state) is keyed by its Keras path.
+    for root, owner in (("model", model), ("optimizer", optimizer)):
+        for variable in (getattr(owner, "variables", None) or ()) if owner is not None else ():
+            if id(variable) not in found:
+                found[id(variable)] = (f"{root}/keras_path/{variable.path}", variable)
 
     model_paths = {}
     for path, variable in found.values():
