@@ -234,3 +234,21 @@ def test_a_save_that_dies_half_way_keeps_the_previous_backup(tmp_path, monkeypat
                   verbose=0, shuffle=False)
     assert sorted(os.listdir(tmp_path)) == ["backup-epoch000001.npz", "tfdist_backup.json"]
     assert tfdist.BackupAndRestore(str(tmp_path)).initial_epoch == 1
+
+
+def test_keys_cover_what_keras_lists_dropout_state_and_a_wrapped_optimizer():
+    import keras
+
+    from tfdist.checkpoint import tracked_variables
+
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dropout(0.5)(keras.layers.Dense(4, name="hid")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(momentum=0.5)),
+                  "mse")
+    model.optimizer.build(model.trainable_variables)
+    keys = tracked_variables(model)
+    wanted = {id(v) for v in model.variables + model.optimizer.variables}
+    assert wanted <= {id(v) for v in keys.values()}
+    assert any(k.startswith("model/keras_path/seed_generator") for k in keys)
+    assert sum(k.startswith("optimizer/slots/model/") for k in keys) == 4
