@@ -4,7 +4,7 @@ Used by tests/test_checkpoint.py (every case must end in a clean error) and
 runnable on its own to count outcomes for any tfdist version, each case in a
 subprocess so a hang is seen:
 
-    PYTHONPATH=/path/to/tfdist python tests/_backup_corpus.py
+    PYTHONPATH=/path/to/tfdist [CORPUS_TIMEOUT=60] python tests/_backup_corpus.py
 
 Outcomes: `clean` (an error naming the backup file or folder and what to
 do, on one line), `quiet` (resumed with wrong values or from the wrong
@@ -357,6 +357,7 @@ def prepare(root: str) -> str:
 def main() -> int:
     import tempfile
 
+    timeout = float(os.environ.get("CORPUS_TIMEOUT", "60"))
     root = tempfile.mkdtemp(prefix="tfdist_backup_corpus_")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     try:
@@ -372,10 +373,10 @@ def main() -> int:
             try:
                 result = subprocess.run(
                     [sys.executable, os.path.abspath(__file__), "--case", name, template, work],
-                    capture_output=True, text=True, timeout=60, env=env)
+                    capture_output=True, text=True, timeout=timeout, env=env)
                 outcome, detail = json.loads(result.stdout.strip().splitlines()[-1])
             except subprocess.TimeoutExpired:
-                outcome, detail = "hang", "no answer within 60 s"
+                outcome, detail = "hang", f"no answer within {timeout:g} s"
             except (IndexError, ValueError):
                 outcome, detail = "traceback", result.stderr.strip().splitlines()[-1][:160]
             counts[outcome] = counts.get(outcome, 0) + 1

@@ -10,10 +10,10 @@ dropped it, and the writes collide: h5py truncates a file before it takes its
 lock, so a losing worker zeroes the winner's weights (the file still loads),
 `.keras` archives end up as BadZipFile, SavedModels do not load, TensorBoard
 gets one event file per worker, and Keras's BackupAndRestore dies with
-"unable to lock file" at the end of epoch 1. Upstream: Keras 3 has no
-multi-worker file handling (keras-team/keras-core#96 brought tf.distribute to
-the TF backend; keras-team/keras#20585 tracks multi-worker `fit`); the same
-race under tf.keras: tensorflow/tensorflow#38635, #31252.
+"unable to lock file" at the end of epoch 1. Upstream: Keras 3's multi-worker
+gaps are tracked in keras-team/keras#20585 (which is about `fit`; no Keras 3
+report of the file collision was found); the same race under tf.keras, before
+tf_keras handled it: tensorflow/tensorflow#38635, #31252.
 
 What a worker may skip: nothing. Saving reads every variable, and reading a
 sync-on-read variable (metrics, statistics kept per replica) in cross-replica
@@ -67,8 +67,8 @@ from tfdist.compat._patch import (CompatError, Fix, install as _install, passthr
                                   require_attributes, require_signature,
                                   uninstall as _uninstall)
 
-ISSUE = ("keras-team/keras-core#96 (Keras 3 dropped tf_keras's multi-worker file handling); "
-         "tensorflow/tensorflow#38635")
+ISSUE = ("keras-team/keras#20585 (Keras 3 under MultiWorkerMirroredStrategy); "
+         "tensorflow/tensorflow#38635 (every worker saving one path)")
 
 _PARTIAL = ".tfdist-partial-"
 _OLD = ".tfdist-old-"
@@ -88,11 +88,9 @@ def role(strategy: Any) -> str | None:
             return _roles[strategy]
         except KeyError:
             pass
-        tf = import_tensorflow()
         result = None
-        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            if is_multi_worker(strategy):
-                result = "chief" if strategy.extended.should_checkpoint else "other"
+        if is_multi_worker(strategy):
+            result = "chief" if strategy.extended.should_checkpoint else "other"
         _roles[strategy] = result
         return result
 
