@@ -171,7 +171,7 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
     from tfdist.compat import keras_files, keras_multi_worker
 
     keras_multi_worker.apply()
-    keras_files.install()  # Keras's own file writers: the chief writes (tfdist files helper)
+    keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
     start = time.monotonic()
     with join_watchdog(config, options.join_timeout):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(

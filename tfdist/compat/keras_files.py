@@ -47,8 +47,9 @@ plain Keras are untouched.
 | csv_logger | `CSVLogger.on_train_begin` | the CSV file |
 | backup_and_restore.* | `BackupAndRestore._save_model`, `.on_train_begin`, `.on_train_end` | the chief writes and deletes the backup, every worker restores the chief's copy |
 
-`install()` is called by the multi_worker_mirrored preset; `uninstall()`
-puts every original back.
+`install_or_warn()` is called by the multi_worker_mirrored preset (a Keras
+whose code changed under a fix gets a warning and Keras's own behaviour);
+`uninstall()` puts every original back.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ import contextlib
 import os
 import shutil
 import threading
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -491,16 +493,35 @@ NAMES: tuple[str, ...] = (
 
 
 def install() -> tuple[str, ...]:
-    """Installs every fix once (idempotent). Returns the names installed by this call.
+    """Installs every fix once (idempotent), all or none. Returns the names installed now.
 
     Raises:
-      CompatError: a Keras function is not shaped as the fix expects.
+      CompatError: a Keras function is not shaped as the fix expects (then
+        nothing is installed by this call).
     """
-    installed = []
-    for fix in _fixes():
-        if _install(fix):
-            installed.append(fix.name)
+    installed: list[str] = []
+    try:
+        for fix in _fixes():
+            if _install(fix):
+                installed.append(fix.name)
+    except CompatError:
+        _uninstall(installed)
+        raise
     return tuple(installed)
+
+
+def install_or_warn() -> bool:
+    """`install()`, turning a refusal into a warning (the preset stays usable). True if active."""
+    try:
+        install()
+    except CompatError as e:
+        warnings.warn(
+            f"tfdist could not make Keras's file writers multi-worker safe ({e}). Under "
+            "multi_worker_mirrored, every worker will write ModelCheckpoint, model.save, "
+            "TensorBoard and BackupAndRestore files itself; pass paths through "
+            "tfdist.chief_path() to avoid collisions.", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def uninstall() -> tuple[str, ...]:
@@ -508,5 +529,6 @@ def uninstall() -> tuple[str, ...]:
     return _uninstall(NAMES)
 
 
-__all__ = ["CompatError", "NAMES", "barrier", "install", "is_multi_worker", "role",
+__all__ = ["CompatError", "NAMES", "barrier", "install", "install_or_warn", "is_multi_worker",
+           "role",
            "set_initial_epoch", "sweep_partial_writes", "uninstall", "write_as"]
