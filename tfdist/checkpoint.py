@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 import os
 import re
 import stat
@@ -54,8 +53,6 @@ from typing import Any
 import numpy as np
 
 from tfdist import chief as chief_lib
-
-logger = logging.getLogger("tfdist")
 
 _STATE = "tfdist_backup.json"
 _FORMAT = 2

@@ -70,7 +70,7 @@ def inexact_resume_reasons(dataset) -> list[str]:
     try:
         graph = _graph_def(dataset)
     except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
-        logger.debug("tfdist: cannot inspect the dataset's graph: %s", e)
+        logger.debug("cannot inspect the dataset's graph: %s", e)
         return []
     nodes = {node.name: node for node in graph.node}
     reasons: list[str] = []
