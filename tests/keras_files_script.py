@@ -11,7 +11,9 @@ as a negative control, again after `keras_files.uninstall()`.
 
 --mode user (a user's own tf.distribute.MultiWorkerMirroredStrategy, tfdist's
 fixes installed but not applying to it): the ordered-write probe and
-TensorBoard/CSVLogger driven by hand.
+TensorBoard/CSVLogger driven by hand; then, on the chief, a model with no
+strategy saved with the fixes installed (stock Keras behaviour), and a fix
+whose target changed shape (refused, nothing left installed).
 
 The ordered-write probe makes collisions deterministic: every worker gives
 its model different weights (its task index), the chief writes, all wait,
@@ -194,10 +196,46 @@ def run_tfdist(args, tf, keras, np, strategy, barrier, task, task_index):
     return report
 
 
+def _plain_keras_and_changed_code(keras, np, out):
+    """A model with no strategy saves as stock Keras; a changed target is refused."""
+    from keras.src.callbacks import backup_and_restore
+
+    from tfdist.compat import _patch, keras_files
+
+    report = {}
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    plain = os.path.join(out, "plain")
+    os.makedirs(plain)
+    model.save(os.path.join(plain, "m.keras"))
+    model.save_weights(os.path.join(plain, "m.weights.h5"))
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), epochs=1, verbose=0,
+              callbacks=[keras.callbacks.TensorBoard(os.path.join(plain, "tb"))])
+    report["plain_files"] = sorted(os.listdir(plain))
+    report["plain_role"] = keras_files.role(model.distribute_strategy)
+    report["uninstalled"] = len(keras_files.uninstall())
+
+    def on_train_end(self, logs=None, extra=None):  # an upstream change, late in the list
+        pass
+
+    original = backup_and_restore.BackupAndRestore.on_train_end
+    backup_and_restore.BackupAndRestore.on_train_end = on_train_end
+    try:
+        keras_files.install()
+    except _patch.CompatError as e:
+        report["refused"] = str(e)
+    finally:
+        backup_and_restore.BackupAndRestore.on_train_end = original
+    report["installed_after_refusal"] = list(_patch.installed())
+    return report
+
+
 def run_user(args, tf, keras, np, strategy, barrier, task, task_index):
     report = {"task": task}
     report["ordered"] = _ordered_writes(tf, keras, strategy, barrier, task_index, args.out)
     _drive_callbacks_by_hand(keras, strategy, task_index, args.out)
+    if task_index == 0:
+        report.update(_plain_keras_and_changed_code(keras, np, args.out))
     return report
 
 
