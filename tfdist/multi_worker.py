@@ -240,9 +240,10 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
             "TensorFlow ops or listed logical devices. Create the strategy first thing in the "
             "script, and do not split the CPU into logical devices (MultiWorkerMirrored uses "
             "one device per worker on CPUs).")
-    from tfdist.compat import keras_multi_worker
+    from tfdist.compat import keras_files, keras_multi_worker
 
     keras_multi_worker.apply()
+    keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
     start = time.monotonic()
     with join_watchdog(config, options.join_timeout):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
