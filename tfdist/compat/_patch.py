@@ -24,6 +24,7 @@ back, so a process can return to stock Keras.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -86,12 +87,17 @@ def install(fix: Fix) -> bool:
       True if it was installed by this call, False if it already was.
 
     Raises:
+      UnsupportedVersionError: TensorFlow/Keras outside the supported range
+        (see tfdist.compat.SUPPORTED); nothing is changed then.
       CompatError: the target is missing or its shape differs from what the
         fix was written for (nothing is changed then).
     """
+    from tfdist.compat import _versions
+
     with _lock:
         if fix.name in _active:
             return False
+        _versions.check_supported()
         try:
             owner, attribute = fix.target()
         except (ImportError, AttributeError) as e:
@@ -123,6 +129,28 @@ def install(fix: Fix) -> bool:
         return True
 
 
+def install_all(fixes: Iterable[Fix]) -> tuple[str, ...]:
+    """Installs several fixes that only make sense together: all of them, or none.
+
+    Returns:
+      The names of the fixes installed by this call.
+
+    Raises:
+      UnsupportedVersionError, CompatError: as `install`; fixes this call had
+        already installed are uninstalled again first.
+    """
+    done: list[str] = []
+    with _lock:
+        try:
+            for fix in fixes:
+                if install(fix):
+                    done.append(fix.name)
+        except BaseException:
+            uninstall(done)
+            raise
+    return tuple(done)
+
+
 def uninstall(names: Iterable[str] | None = None) -> tuple[str, ...]:
     """Restores the originals of the named fixes (default: all), newest first.
 
@@ -140,6 +168,27 @@ def uninstall(names: Iterable[str] | None = None) -> tuple[str, ...]:
                 delattr(entry.owner, entry.attribute)
             removed.append(name)
         return tuple(removed)
+
+
+@contextlib.contextmanager
+def uninstall_after():
+    """Undoes, when the block ends, every fix installed inside it (earlier ones stay).
+
+        with tfdist.compat.uninstall_after():
+            strategy = tfdist.make_strategy("multi_worker_mirrored")
+            ...
+        # stock Keras again; strategies made inside the block no longer get fixes
+
+    Yields:
+      None.
+    """
+    with _lock:
+        before = set(_active)
+    try:
+        yield
+    finally:
+        with _lock:
+            uninstall([name for name in _active if name not in before])
 
 
 def installed() -> tuple[str, ...]:
