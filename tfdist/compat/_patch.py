@@ -109,12 +109,10 @@ def install(fix: Fix) -> bool:
             raise CompatError(
                 f"tfdist fix {fix.name!r} ({fix.issue}): {_name(owner)} has no attribute "
                 f"{attribute!r} in this TensorFlow/Keras version.")
+        # If another fix already replaced this attribute, this one wraps that fix's
+        # replacement (each passes through for what it does not own); uninstall()
+        # takes such a stack apart in order.
         stored = _raw(owner, attribute)
-        if getattr(_unwrap_descriptor(stored), "__tfdist_fix__", None) is not None:
-            raise CompatError(
-                f"tfdist fix {fix.name!r}: {_name(owner)}.{attribute} is already replaced by "
-                f"fix {_unwrap_descriptor(stored).__tfdist_fix__!r}; two fixes may not "
-                "replace the same attribute.")
         original = getattr(owner, attribute)
         fix.check(original)
         replacement = fix.make(original)
@@ -154,6 +152,9 @@ def install_all(fixes: Iterable[Fix]) -> tuple[str, ...]:
 def uninstall(names: Iterable[str] | None = None) -> tuple[str, ...]:
     """Restores the originals of the named fixes (default: all), newest first.
 
+    A fix that another, newer fix wraps (both replace one attribute) is taken
+    out of the stack: the newer one is rebuilt on what lies below.
+
     Returns:
       The names of the fixes removed.
     """
@@ -161,13 +162,27 @@ def uninstall(names: Iterable[str] | None = None) -> tuple[str, ...]:
         chosen = list(_active) if names is None else [n for n in names if n in _active]
         removed = []
         for name in reversed(chosen):
-            entry = _active.pop(name)
-            if entry.had_own:
-                setattr(entry.owner, entry.attribute, entry.original)
-            else:
-                delattr(entry.owner, entry.attribute)
+            if name not in _active:
+                continue
+            entry = _active[name]
+            order = list(_active)
+            above = [_active[n] for n in order[order.index(name) + 1:]
+                     if _active[n].owner is entry.owner
+                     and _active[n].attribute == entry.attribute]
+            for other in reversed(above):  # newest first, down to `entry`
+                _restore(_active.pop(other.fix.name))
+            _restore(_active.pop(name))
             removed.append(name)
+            for other in above:  # rebuilt on what is now below them
+                install(other.fix)
         return tuple(removed)
+
+
+def _restore(entry: _Installed) -> None:
+    if entry.had_own:
+        setattr(entry.owner, entry.attribute, entry.original)
+    else:
+        delattr(entry.owner, entry.attribute)
 
 
 @contextlib.contextmanager
