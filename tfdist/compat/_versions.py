@@ -61,9 +61,18 @@ def versions() -> dict[str, str]:
     """Installed TensorFlow and Keras versions."""
     from tfdist._tf import import_tensorflow
 
-    tf = import_tensorflow()
-    import keras
+    import sys
 
+    tf = import_tensorflow()
+    keras = sys.modules.get("keras")
+    if keras is None:
+        # Without importing Keras: parameter servers never need it (less memory per task).
+        from importlib import metadata
+
+        try:
+            return {"tensorflow": tf.__version__, "keras": metadata.version("keras")}
+        except metadata.PackageNotFoundError:
+            import keras
     return {"tensorflow": tf.__version__, "keras": keras.__version__}
 
 
