@@ -74,6 +74,13 @@ for n in (2, 4):
         print(f"FAILED {n} {type(e).__name__}: {e}")
 """, timeout=120)
     assert "OK 2" in result.stdout, result.stdout + result.stderr
+    import tensorflow as tf
+
+    if tf.__version__.startswith("2.18."):
+        # Measured (docs/compat.md): TF 2.18.1 does not collide here; 2.16, 2.20, 2.21 do.
+        # tfdist's fresh keys are harmless there.
+        assert "OK 4" in result.stdout, result.stdout + result.stderr
+        return
     collided = "FAILED 4" in result.stdout and "joining a group with size4" in (
         result.stdout + result.stderr)
     assert collided, ("MirroredStrategy no longer collides on collective keys: "
