@@ -9,7 +9,10 @@ original (`make(original)`).
 
 Replacements must pass straight through to `original` for objects tfdist did
 not create (see `tfdist.compat._owner`); `uninstall()` puts every original
-back, so a process can return to stock Keras.
+back, so a process can return to stock Keras. Two fixes of one attribute
+stack (the newer wraps the older's replacement; each passes through for what
+it does not own); uninstalling either takes the stack apart in order.
+Installing refuses TensorFlow/Keras versions outside `tfdist.compat.SUPPORTED`.
 
     FIX = Fix(
         name="keras_multi_worker.reduce_per_replica",
@@ -19,7 +22,9 @@ back, so a process can return to stock Keras.
         make=lambda original: ...,
     )
     install(FIX)        # idempotent
+    install_all(FIXES)  # all or none
     uninstall()         # every fix, newest first
+    with uninstall_after(): ...   # what the block installed
 """
 
 from __future__ import annotations
