@@ -217,8 +217,13 @@ def installed() -> tuple[str, ...]:
         return tuple(_active)
 
 
-def original(name: str) -> Any:
-    """The attribute `name` replaced (as stored; raises KeyError if not installed)."""
+def stored_original(name: str) -> Any:
+    """The attribute the fix `name` replaced (as stored; raises KeyError if not installed).
+
+    (Not called `original`: replacements traced by AutoGraph inside tf.function
+    refer to their closure variable `original`, and AutoGraph resolved that
+    name to a module-level function of the same name here.)
+    """
     with _lock:
         return _active[name].original
 
