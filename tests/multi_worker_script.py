@@ -34,6 +34,22 @@ def initial_weights(model):
     return [(0.3 * rng.standard_normal(w.shape)).astype("float32") for w in model.get_weights()]
 
 
+def initial_flat():
+    """The initial weights `train` starts from, as one flat vector."""
+    import numpy as np
+
+    model = _model()
+    return np.concatenate([w.ravel() for w in initial_weights(model)])
+
+
+def _model():
+    import keras
+
+    return keras.Sequential([keras.Input((FEATURES,)),
+                             keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(1)])
+
+
 def dataset(x, y):
     import tensorflow as tf
 
@@ -50,9 +66,7 @@ def train(strategy, inputs: str, *, callbacks=(), backup=None):
 
     x, y = data()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((FEATURES,)),
-                                  keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
+        model = _model()
         model.set_weights(initial_weights(model))
         model.compile(keras.optimizers.SGD(0.05, momentum=0.5), "mse")
     callbacks = list(callbacks)

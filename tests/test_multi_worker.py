@@ -71,8 +71,8 @@ def test_two_workers_equal_one_replica_for_tfdata_and_numpy(tmp_path, reference)
         w1 = np.load(tmp_path / f"{inputs}_worker1.npy")
         np.testing.assert_array_equal(w0, w1)
         np.testing.assert_allclose(w0, reference[inputs], rtol=0, atol=1e-5)
-        # The run really trained: the weights moved away from the initial ones.
-        assert np.abs(w0 - reference[inputs]).max() < 1e-5 < np.abs(w0).max()
+        # The run really trained: the weights moved well away from the initial ones.
+        assert np.abs(w0 - script.initial_flat()).max() > 1e-2
 
 
 @pytest.mark.timeout(360)

@@ -231,18 +231,18 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
             "communication='nccl' needs GPUs on every worker; NCCL has no CPU kernels, so "
             "training would fail at its first all-reduce. Received: communication='nccl' "
             "on a machine with no GPU. Use communication='ring' or 'auto'.")
-    from tensorflow.python.eager import context
+    from tfdist.compat import keras_multi_worker, tf_state
 
-    if config is not None and context.context()._context_handle is not None:
+    if config is not None and tf_state.runtime_started():
         raise RuntimeError(
             "MultiWorkerMirroredStrategy must be created before TensorFlow's runtime starts "
             "(collective ops are configured at start-up), but this process already ran "
             "TensorFlow ops or listed logical devices. Create the strategy first thing in the "
             "script, and do not split the CPU into logical devices (MultiWorkerMirrored uses "
             "one device per worker on CPUs).")
-    from tfdist.compat import keras_files, keras_multi_worker
+    from tfdist.compat import keras_files
 
-    keras_multi_worker.apply()
+    keras_multi_worker.install()
     keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
     start = time.monotonic()
     with join_watchdog(config, options.join_timeout):

@@ -65,7 +65,7 @@ from typing import Any, Callable
 from tfdist import chief as chief_lib
 from tfdist._tf import import_tensorflow
 from tfdist.compat import _owner
-from tfdist.compat._patch import (CompatError, Fix, install as _install, passthrough,
+from tfdist.compat._patch import (CompatError, Fix, install_all, passthrough,
                                   require_attributes, require_signature,
                                   uninstall as _uninstall)
 
@@ -499,15 +499,7 @@ def install() -> tuple[str, ...]:
       CompatError: a Keras function is not shaped as the fix expects (then
         nothing is installed by this call).
     """
-    installed: list[str] = []
-    try:
-        for fix in _fixes():
-            if _install(fix):
-                installed.append(fix.name)
-    except CompatError:
-        _uninstall(installed)
-        raise
-    return tuple(installed)
+    return install_all(_fixes())
 
 
 def install_or_warn() -> bool:
