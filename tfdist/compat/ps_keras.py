@@ -179,3 +179,8 @@ def variant_tensor(dataset: Any) -> Any:
 def optimizer_strategy(optimizer: Any) -> Any:
     """The strategy a Keras (TensorFlow backend) optimizer was created under."""
     return getattr(optimizer, "_distribution_strategy", None)
+
+
+def num_workers(strategy: Any) -> int:
+    """How many workers a ParameterServerStrategy schedules on."""
+    return int(strategy.extended._num_workers)

@@ -105,8 +105,7 @@ def exact_evaluation_shards(model) -> int:
     """How many shards `compile(pss_evaluation_shards=...)` asked for (0: off)."""
     shards = _exact_shards.get(model, 0)
     if shards == "auto":
-        spec = model.distribute_strategy.cluster_resolver.cluster_spec()
-        return AUTO_SHARDS_PER_WORKER * spec.num_tasks("worker")
+        return AUTO_SHARDS_PER_WORKER * ps_keras.num_workers(model.distribute_strategy)
     return shards
 
 
@@ -302,12 +301,6 @@ def _evaluate(model, x, *, steps, callbacks, verbose, in_fit, keras_evaluate=Non
         callbacks.on_test_end(logs)
         return logs
     if steps is None:
-        if data_lib.is_infinite(x):
-            raise ValueError(
-                f"{what} is an infinite dataset (it repeats), so evaluation would never end. "
-                f"Received: {steps_name}=None. Pass a finite dataset (evaluated exactly once), "
-                "or compile(..., pss_evaluation_shards='auto') to spread that exact evaluation "
-                f"over the workers, or {steps_name}=N for N batches spread over the workers.")
         if data_lib.dataset_fn_of(x) is not None and not data_lib.is_per_worker_dataset(x):
             raise ValueError(
                 f"{steps_name} is required when {what} is a dataset function: the workers "
@@ -315,6 +308,12 @@ def _evaluate(model, x, *, steps, callbacks, verbose, in_fit, keras_evaluate=Non
                 f"{steps_name}=None. For an exact result over a finite dataset, compile(..., "
                 "pss_evaluation_shards='auto') (spread over the workers) or pass the finite "
                 f"tf.data.Dataset itself (evaluated here); or pass {steps_name}=N.")
+        if data_lib.is_infinite(x):
+            raise ValueError(
+                f"{what} is an infinite dataset (it repeats), so evaluation would never end. "
+                f"Received: {steps_name}=None. Pass a finite dataset (evaluated exactly once), "
+                "or compile(..., pss_evaluation_shards='auto') to spread that exact evaluation "
+                f"over the workers, or {steps_name}=N for N batches spread over the workers.")
         return _on_coordinator_evaluate(model, data_lib.on_coordinator(x), verbose=verbose,
                                         callbacks=callbacks, keras_evaluate=keras_evaluate)
     _check_steps(steps, steps_name, "")
