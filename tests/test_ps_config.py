@@ -53,6 +53,18 @@ def test_tf_config_without_ps_is_a_clear_error(monkeypatch):
         tfdist.make_strategy("parameter_server")
 
 
+@pytest.mark.parametrize("task_type", ["worker", "ps", "chief"])
+def test_cluster_without_chief_is_a_clear_error_not_a_server_forever(monkeypatch, task_type):
+    """Issue 15: a worker or ps of a cluster with no coordinator used to serve forever."""
+    cluster = {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+    if task_type == "chief":
+        cluster = {"chief": ["127.0.0.1:3"], "ps": ["127.0.0.1:2"]}
+    monkeypatch.setenv("TF_CONFIG", _tf_config(cluster, task_type))
+    missing = "at least one worker" if task_type == "chief" else "a chief"
+    with pytest.raises(ValueError, match=rf"ParameterServerStrategy needs {missing}"):
+        tfdist.make_strategy("parameter_server", connect_timeout=1.0)
+
+
 def test_unreachable_ps_fails_within_the_timeout(monkeypatch):
     ps_port, worker_port, chief_port = tfdist.free_ports(3)
     monkeypatch.setenv("TF_CONFIG", _tf_config({
