@@ -448,3 +448,32 @@ def test_in_process_servers_listen_on_every_interface(strategy):
                 listening.add((int(port, 16), set(address) == {"0"}))
     assert {p for p, _ in listening} == ports, listening
     assert all(wildcard for _, wildcard in listening), listening
+
+
+def test_a_rerun_of_an_applied_step_applies_nothing(strategy, data):
+    """What TensorFlow does after a worker dies between applying a step and reporting
+    back: it runs the same closure (same step id) again. The re-run must not apply."""
+    from tfdist.ps import CoordinatorTrainer
+
+    model = _model(strategy)
+    model.fit(_dataset_fn(data), epochs=1, steps_per_epoch=2, verbose=0)
+    trainer = CoordinatorTrainer.for_model(model)
+    assert trainer.exactly_once_steps
+    import tensorflow as tf
+
+    function = trainer.step_function("train")
+    iterator = trainer._iterator("train", _dataset_fn(data))
+    step_id = tf.constant(trainer._next_step_id, tf.int64)
+    trainer._next_step_id += 1
+    before = int(model.optimizer.iterations.numpy())
+    weights = model.get_weights()
+    trainer.coordinator.schedule(function, args=(iterator, step_id))
+    trainer.coordinator.join()
+    applied = model.get_weights()
+    assert int(model.optimizer.iterations.numpy()) == before + 1
+    assert any(np.any(a != b) for a, b in zip(weights, applied))
+    trainer.coordinator.schedule(function, args=(iterator, step_id))  # the re-run
+    trainer.coordinator.join()
+    assert int(model.optimizer.iterations.numpy()) == before + 1
+    for a, b in zip(applied, model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -279,7 +279,12 @@ class ParameterServerOptions(PresetOptions):
       max_shards: upper bound on shards per variable with `min_shard_bytes`
         (default: the number of parameter servers).
       connect_timeout: seconds to wait for every worker and ps to accept
-        connections before giving up with an error that names the address.
+        connections before giving up with an error that names the address;
+        also how long every worker may be lost before scheduled steps fail.
+      exactly_once_steps: when TensorFlow re-runs a train step whose worker
+        died, skip it if that worker had already applied its update (one extra
+        small ps read and write per step). False: steps run at least once
+        (TensorFlow's behaviour) and tfdist reports steps applied twice.
     """
 
     preset: ClassVar[str] = "parameter_server"
@@ -299,7 +304,11 @@ class ParameterServerOptions(PresetOptions):
         "help": "parameter_server: at most N shards per variable with --min_shard_bytes "
                 "(default: the number of ps)."})
     connect_timeout: float = dataclasses.field(default=60.0, metadata={
-        "help": "parameter_server: seconds to wait for every worker and ps to be reachable."})
+        "help": "parameter_server: seconds to wait for every worker and ps to be reachable "
+                "(and how long every worker may be lost before steps fail)."})
+    exactly_once_steps: bool = dataclasses.field(default=True, metadata={
+        "help": "parameter_server: skip a train step TensorFlow re-runs after a worker "
+                "failure if its update already landed (one small ps read+write per step)."})
 
     def __post_init__(self):
         _check_optional_int("local_workers", self.local_workers, 1,
@@ -333,11 +342,16 @@ class ParameterServerOptions(PresetOptions):
                 f"max_shards={self.max_shards!r} without min_shard_bytes. Add "
                 "min_shard_bytes=..., or use shard_count=N for a fixed count."
             )
+        if not isinstance(self.exactly_once_steps, bool):
+            raise ValueError(
+                "exactly_once_steps must be True or False. Received: "
+                f"exactly_once_steps={self.exactly_once_steps!r}.")
         if (isinstance(self.connect_timeout, bool)
                 or not isinstance(self.connect_timeout, (int, float))
-                or not self.connect_timeout > 0):
+                or not self.connect_timeout > 0
+                or self.connect_timeout == float("inf")):
             raise ValueError(
-                "connect_timeout must be a number of seconds > 0. Received: "
+                "connect_timeout must be a finite number of seconds > 0. Received: "
                 f"connect_timeout={self.connect_timeout!r}."
             )
 

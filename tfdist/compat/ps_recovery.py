@@ -252,13 +252,19 @@ class PartialRecovery:
         since = max(down.values())
         if time.monotonic() - since < self._all_lost_timeout:
             return
+        queue = self._cluster.closure_queue
+        with queue._queue_lock:
+            # Fail the steps waiting for a worker (each fit that schedules while
+            # every worker is still lost fails at once), never a later fit that
+            # starts after a worker came back.
+            if queue._queue.empty() or queue._error is not None:
+                return
         listed = ", ".join(f"worker:{i} at {a}" for i, a in sorted(self._addresses.items()))
         self._fail(self._all_lost_error(
             f"Every worker has been unreachable for {self._all_lost_timeout:g} s ({listed}): "
-            "nothing can run the scheduled steps. Restart the workers (under `tfdist launch`, "
-            "a killed parameter-server worker is restarted on its address) or raise "
-            "connect_timeout; the variables on the parameter servers are intact, so training "
-            "can continue once a worker is back."))
+            "nothing can run the scheduled steps. Restart the workers on their addresses "
+            "(they rejoin by themselves) or raise connect_timeout; the variables on the "
+            "parameter servers are intact, so training continues once a worker is back."))
 
     @staticmethod
     def _unavailable(message: str) -> Exception:
@@ -299,7 +305,7 @@ def install(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], 
                 "not TensorFlow's WorkerPreemptionHandler: tfdist's worker recovery was "
                 "written for that one.")
         queue = cluster.closure_queue
-        require_attributes(queue, "_queue_lock", "_stop_waiting_condition", "_error",
+        require_attributes(queue, "_queue", "_queue_lock", "_stop_waiting_condition", "_error",
                            "_cancellation_mgr", what="ClusterCoordinator closure queue")
         handler = PartialRecovery(cluster, original._server_def,
                                   all_lost_timeout=all_lost_timeout, reachable=reachable,

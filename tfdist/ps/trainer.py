@@ -16,7 +16,13 @@ the variables from the parameter servers and writes its update back without
 waiting for the other workers. A worker that dies mid-step has its step
 re-run on another worker (TensorFlow's ClusterCoordinator does this), so a
 step runs at least once: if the dead worker had already applied its update,
-that update lands twice. `train` counts those (`StepsReport`).
+that update would land twice. With `exactly_once_steps` (the preset's
+default) every train step carries an id and, after all of its ops ran,
+records it in a small ps variable; a re-run that finds its id there applies
+nothing. What remains: a worker that dies *while* writing its update leaves
+part of it applied and the re-run applies all of it (TensorFlow has no
+transaction across variables). `train` counts re-runs and the updates that
+landed twice anyway (`StepsReport`).
 
 Exactly-once evaluation (`evaluate_exactly`, tf_keras's `pss_evaluation_shards`)
 splits a finite dataset into shards; each shard is one scheduled function
@@ -46,6 +52,13 @@ BATCH_LOG_INTERVAL = 0.2
 
 _TRAINERS: "weakref.WeakKeyDictionary[Any, CoordinatorTrainer]" = weakref.WeakKeyDictionary()
 _TRAINERS_LOCK = threading.Lock()
+_EXACTLY_ONCE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def set_exactly_once_steps(strategy, enabled: bool) -> None:
+    """Whether trainers of `strategy` skip re-runs of steps already applied (default True)."""
+    with _TRAINERS_LOCK:
+        _EXACTLY_ONCE[strategy] = bool(enabled)
 
 
 def coordinator_for(strategy):
@@ -127,8 +140,11 @@ class CoordinatorTrainer:
         self.strategy = strategy
         self.coordinator = coordinator_for(strategy)
         self.compile_token = ps_keras.compile_token(model)
+        self.exactly_once_steps = _EXACTLY_ONCE.get(strategy, True)
         self._functions: dict[Any, Callable] = {}
         self._iterators: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._ledger_variable = None
+        self._next_step_id = 0
         self.last_report: StepsReport | None = None
 
     @classmethod
@@ -167,19 +183,80 @@ class CoordinatorTrainer:
                 model.optimizer.build(model.trainable_variables)
 
     def step_function(self, kind: str) -> Callable:
-        """The traced function one worker runs for one step ("train" or "test")."""
+        """The traced function one worker runs for one step ("train" or "test").
+
+        With `exactly_once_steps`, a train step takes `(iterator, step_id)` and
+        runs only if the ledger does not already record `step_id` as applied
+        (see `_ledger`); otherwise a step takes `(iterator,)`.
+        """
         if kind not in self._functions:
             tf = import_tensorflow()
             step = self.model.train_step if kind == "train" else self.model.test_step
             strategy = self.strategy
 
-            def one_step(iterator):
+            def run(iterator):
                 outputs = strategy.run(step, args=(next(iterator),))
                 return strategy.experimental_local_results(outputs)[0]
 
+            if kind == "train" and self.exactly_once_steps:
+                self._ledger(1)
+                function = self._once_per_step_id(run)
+            else:
+                function = run
             # ClusterCoordinator.schedule needs a tf.function (run_eagerly cannot apply).
-            self._functions[kind] = tf.function(one_step)
+            self._functions[kind] = tf.function(function)
         return self._functions[kind]
+
+    def _ledger(self, steps: int):
+        """A ps variable recording, per step id (mod its size), the last id applied.
+
+        TensorFlow re-runs a step whose worker died; if that worker had already
+        applied the step's update and recorded it here, the re-run finds the
+        record and applies nothing. Ids are unique within an epoch, whose re-runs
+        finish before the epoch ends, so `steps` entries suffice.
+        """
+        if self._ledger_variable is None or self._ledger_variable.shape[0] < steps:
+            tf = import_tensorflow()
+            with self.strategy.scope():
+                self._ledger_variable = tf.Variable(
+                    tf.fill([max(steps, 1024)], tf.constant(-1, tf.int64)), trainable=False,
+                    name="tfdist_applied_steps")
+            self._functions.pop("train", None)  # the step captures the ledger
+        return self._ledger_variable
+
+    def _once_per_step_id(self, run: Callable) -> Callable:
+        tf = import_tensorflow()
+        ledger = self._ledger_variable
+        capacity = int(ledger.shape[0])
+
+        def once(iterator, step_id):
+            slot = tf.math.floormod(step_id, capacity)
+            applied = tf.equal(ledger.sparse_read(slot), step_id)
+            seen = {}
+
+            def apply():
+                graph = tf.compat.v1.get_default_graph()
+                first = len(graph.get_operations())
+                outputs = run(iterator)
+                # Recorded only after every op of the step ran (TensorFlow orders
+                # ops of different variables freely): a worker that dies before
+                # this leaves the step to be re-run; after it, nothing is redone.
+                # (The function returns only after this stateful op ran.)
+                with tf.control_dependencies(graph.get_operations()[first:]):
+                    ledger.scatter_update(tf.IndexedSlices(
+                        tf.reshape(step_id, [1]), tf.reshape(slot, [1])))
+                seen["outputs"] = outputs
+                return outputs
+
+            def skip():
+                # Same structure as the step's logs; the epoch's logs are read
+                # from the metrics, not from a skipped step.
+                return tf.nest.map_structure(
+                    lambda t: tf.zeros([d or 0 for d in t.shape], t.dtype), seen["outputs"])
+
+            return tf.cond(tf.logical_not(applied), apply, skip)
+
+        return once
 
     def _iterator(self, slot: str, x):
         """An iterator over per-worker copies of `x`, cached per input object."""
@@ -205,13 +282,21 @@ class CoordinatorTrainer:
     # --- loops ----------------------------------------------------------------------
 
     def _run(self, kind: str, x, num_steps: int, hooks: StepHooks) -> dict:
+        tf = import_tensorflow()
         iterator = self._iterator(kind, x)
+        gated = kind == "train" and self.exactly_once_steps
+        if gated:
+            self._ledger(num_steps)
         function = self.step_function(kind)
         batch_logs = _BatchLogs(self.model)
         last = None
         for step in range(num_steps):
             hooks.begin(step)
-            last = self.coordinator.schedule(function, args=(iterator,))
+            args = (iterator,)
+            if gated:
+                args += (tf.constant(self._next_step_id, tf.int64),)
+                self._next_step_id += 1
+            last = self.coordinator.schedule(function, args=args)
             batch_logs.scheduled(last)
             hooks.end(step, batch_logs.get())
             if hooks.stop():
