@@ -26,7 +26,8 @@ NUM_WORKERS = 2
 
 @pytest.fixture(scope="module")
 def strategy():
-    return tfdist.make_strategy("parameter_server", local_workers=NUM_WORKERS, local_ps=2)
+    return tfdist.make_strategy("parameter_server", local_workers=NUM_WORKERS, local_ps=2,
+                                exactly_once_steps=True)
 
 
 @pytest.fixture(scope="module")
@@ -452,28 +453,34 @@ def test_in_process_servers_listen_on_every_interface(strategy):
 
 def test_a_rerun_of_an_applied_step_applies_nothing(strategy, data):
     """What TensorFlow does after a worker dies between applying a step and reporting
-    back: it runs the same closure (same step id) again. The re-run must not apply."""
+    back: it runs the same closure (same step id) again, which tfdist's failure
+    handler flags as a re-run. The flagged re-run must not apply; unflagged, the
+    same step id applies again (the control: the flag and ledger are what skip it)."""
+    import tensorflow as tf
+
+    from tfdist.compat import ps_recovery
     from tfdist.ps import CoordinatorTrainer
 
     model = _model(strategy)
     model.fit(_dataset_fn(data), epochs=1, steps_per_epoch=2, verbose=0)
     trainer = CoordinatorTrainer.for_model(model)
     assert trainer.exactly_once_steps
-    import tensorflow as tf
-
     function = trainer.step_function("train")
     iterator = trainer._iterator("train", _dataset_fn(data))
     step_id = tf.constant(trainer._next_step_id, tf.int64)
     trainer._next_step_id += 1
-    before = int(model.optimizer.iterations.numpy())
-    weights = model.get_weights()
-    trainer.coordinator.schedule(function, args=(iterator, step_id))
-    trainer.coordinator.join()
-    applied = model.get_weights()
-    assert int(model.optimizer.iterations.numpy()) == before + 1
-    assert any(np.any(a != b) for a, b in zip(weights, applied))
-    trainer.coordinator.schedule(function, args=(iterator, step_id))  # the re-run
-    trainer.coordinator.join()
-    assert int(model.optimizer.iterations.numpy()) == before + 1
-    for a, b in zip(applied, model.get_weights()):
+
+    def run(flag):
+        trainer.coordinator.schedule(function, args=(iterator, step_id, flag))
+        trainer.coordinator.join()
+        return int(model.optimizer.iterations.numpy()), model.get_weights()
+
+    before, weights = int(model.optimizer.iterations.numpy()), model.get_weights()
+    after, applied = run(ps_recovery.first_run_flag())
+    assert after == before + 1 and any(np.any(a != b) for a, b in zip(weights, applied))
+    rerun, rerun_weights = run(tf.constant(True))
+    assert rerun == after
+    for a, b in zip(applied, rerun_weights):
         np.testing.assert_array_equal(a, b)
+    again, _ = run(ps_recovery.first_run_flag())
+    assert again == after + 1

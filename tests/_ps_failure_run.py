@@ -125,7 +125,8 @@ def main(mode: str, workdir: str) -> None:
     # faults: the test starts the chief once every server listens, and the
     # timeout also bounds how long every worker may be lost (step 5).
     strategy = tfdist.make_strategy("parameter_server",
-                                    connect_timeout=20 if mode == "faults" else 90)
+                                    connect_timeout=20 if mode == "faults" else 90,
+                                    exactly_once_steps=mode == "faults")
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()

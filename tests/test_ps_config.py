@@ -28,7 +28,10 @@ def test_defaults_and_registry():
     (dict(local_workers=2), r"local_workers and local_ps together"),
     (dict(local_workers=0, local_ps=1), r"Received: local_workers=0"),
     (dict(local_workers=1, local_ps=0), r"Received: local_ps=0"),
-    (dict(connect_timeout=0), r"connect_timeout must be a number of seconds > 0"),
+    (dict(connect_timeout=0), r"connect_timeout must be a finite number of seconds > 0"),
+    (dict(connect_timeout=float("inf")), r"Received: connect_timeout=inf"),
+    (dict(connect_timeout=float("nan")), r"Received: connect_timeout=nan"),
+    (dict(exactly_once_steps="yes"), r"exactly_once_steps must be True or False"),
     (dict(shard_count=True), r"Received: shard_count=True"),
 ])
 def test_bad_options_are_rejected(kwargs, pattern):

@@ -282,9 +282,9 @@ class ParameterServerOptions(PresetOptions):
         connections before giving up with an error that names the address;
         also how long every worker may be lost before scheduled steps fail.
       exactly_once_steps: when TensorFlow re-runs a train step whose worker
-        died, skip it if that worker had already applied its update (one extra
-        small ps read and write per step). False: steps run at least once
-        (TensorFlow's behaviour) and tfdist reports steps applied twice.
+        died after applying its update, skip it. Costs one more ps write per
+        step (it must follow the step's writes); off by default. Either way,
+        steps whose update landed twice are counted and reported.
     """
 
     preset: ClassVar[str] = "parameter_server"
@@ -306,9 +306,9 @@ class ParameterServerOptions(PresetOptions):
     connect_timeout: float = dataclasses.field(default=60.0, metadata={
         "help": "parameter_server: seconds to wait for every worker and ps to be reachable "
                 "(and how long every worker may be lost before steps fail)."})
-    exactly_once_steps: bool = dataclasses.field(default=True, metadata={
+    exactly_once_steps: bool = dataclasses.field(default=False, metadata={
         "help": "parameter_server: skip a train step TensorFlow re-runs after a worker "
-                "failure if its update already landed (one small ps read+write per step)."})
+                "failure if its update already landed (one more ps write per step)."})
 
     def __post_init__(self):
         _check_optional_int("local_workers", self.local_workers, 1,

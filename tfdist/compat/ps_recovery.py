@@ -29,7 +29,9 @@ but:
   hour; a parameter server that is gone during recovery fails them with an
   UnavailableError (which tfdist reports as a lost parameter server);
 * counts the steps TensorFlow re-runs after a failure (`rerun_count`), which
-  is what lets tfdist report steps whose update landed twice.
+  is what lets tfdist report steps whose update landed twice, and flags each
+  re-run (its `first_run_flag()` argument becomes True) so a tfdist train
+  step can check whether its update already landed before applying it.
 
 With TF_PSS_ENABLE_COORDINATION_SERVICE set (TensorFlow's experimental
 handler) nothing is replaced.
@@ -74,6 +76,9 @@ def check() -> None:
     require_attributes(cc, "WorkerPreemptionHandler", "Cluster", "Worker", "Closure",
                        "ResourceClosure", "ClosureInputError", "ClosureAbortedError",
                        "_is_worker_failure", what="tensorflow cluster_coordinator")
+    # A re-run's flag is swapped in the closure's arguments (Closure._args).
+    require_signature(cc.Closure.__init__, "function", "cancellation_mgr", "args", "kwargs",
+                      what="ClusterCoordinator Closure")
     require_signature(cc.WorkerPreemptionHandler.wait_on_failure, "on_failure_fn",
                       "on_transient_failure_fn", "on_recovery_fn", "worker_device_name",
                       what="WorkerPreemptionHandler.wait_on_failure")
@@ -81,8 +86,8 @@ def check() -> None:
                        "_record_and_ignore_transient_timeouts", what="ClusterCoordinator Cluster")
 
 
-def _step_closure_in(fn: Callable | None) -> bool:
-    """True if `fn` is a worker's callback for a scheduled step (not a per-worker resource)."""
+def _step_closure_in(fn: Callable | None):
+    """The scheduled step a worker's failure callback `fn` puts back (None for a resource)."""
     cc = _coordinator_module()
     for cell in getattr(fn, "__closure__", None) or ():
         try:
@@ -90,8 +95,32 @@ def _step_closure_in(fn: Callable | None) -> bool:
         except ValueError:
             continue
         if isinstance(value, cc.Closure) and not isinstance(value, cc.ResourceClosure):
-            return True
-    return False
+            return value
+    return None
+
+
+_flags: dict[bool, Any] = {}
+
+
+def first_run_flag():
+    """The argument a step scheduled for the first time gets; a re-run gets True instead.
+
+    tfdist's train steps take it as their last argument, so a step re-run
+    after a worker failure can check whether its update already landed.
+    """
+    if not _flags:
+        from tfdist._tf import import_tensorflow
+
+        tf = import_tensorflow()
+        _flags[False], _flags[True] = tf.constant(False), tf.constant(True)
+    return _flags[False]
+
+
+def _mark_rerun(closure) -> None:
+    """Makes the put-back `closure` a re-run: its first_run flag argument becomes True."""
+    args = getattr(closure, "_args", None)
+    if _flags and isinstance(args, tuple) and any(a is _flags[False] for a in args):
+        closure._args = tuple(_flags[True] if a is _flags[False] else a for a in args)
 
 
 def _worker_index(device_name: str) -> int | None:
@@ -161,8 +190,7 @@ class PartialRecovery:
                          or (isinstance(e, errors.CancelledError) and "/job:" in str(e)))
             if transient:
                 logger.debug("tfdist: transient failure on %s: %s", worker_device_name, e)
-                if _step_closure_in(on_transient_failure_fn):
-                    self._count_rerun()
+                self._rerun(_step_closure_in(on_transient_failure_fn))
                 if on_transient_failure_fn:
                     on_transient_failure_fn()
                 return
@@ -174,8 +202,7 @@ class PartialRecovery:
                 raise
             logger.warning("tfdist: worker:%d (%s) failed: %s", index,
                            self._addresses[index], str(e).strip().splitlines()[0][:200])
-            if _step_closure_in(on_failure_fn):
-                self._count_rerun()
+            self._rerun(_step_closure_in(on_failure_fn))
             if on_failure_fn:
                 on_failure_fn(e)
             self._wait_until_back(index)
@@ -186,7 +213,11 @@ class PartialRecovery:
                                           worker_device_name=worker_device_name):
                     on_recovery_fn()
 
-    def _count_rerun(self) -> None:
+    def _rerun(self, closure) -> None:
+        """Counts a step TensorFlow is about to run again, and flags it as a re-run."""
+        if closure is None:
+            return
+        _mark_rerun(closure)
         with self._cond:
             self.reruns += 1
 

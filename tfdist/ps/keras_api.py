@@ -237,8 +237,10 @@ def _report_applied_twice(trainer: CoordinatorTrainer) -> None:
             "worker died after writing a step's update to the parameter servers and before "
             "reporting back, and TensorFlow re-ran the step on another worker "
             f"({report.rerun} re-run(s); optimizer.iterations moved {report.applied}). "
-            "TensorFlow gives parameter-server steps at-least-once semantics; see "
-            "docs/parameter_server.md, 'Failures'.", StepsAppliedTwiceWarning, stacklevel=4)
+            "TensorFlow gives parameter-server steps at-least-once semantics; "
+            "make_strategy('parameter_server', exactly_once_steps=True) skips re-runs of steps "
+            "that had fully landed (see docs/parameter_server.md, 'Failures').",
+            StepsAppliedTwiceWarning, stacklevel=4)
 
 
 # --- evaluate --------------------------------------------------------------------------

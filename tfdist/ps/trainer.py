@@ -16,10 +16,10 @@ the variables from the parameter servers and writes its update back without
 waiting for the other workers. A worker that dies mid-step has its step
 re-run on another worker (TensorFlow's ClusterCoordinator does this), so a
 step runs at least once: if the dead worker had already applied its update,
-that update would land twice. With `exactly_once_steps` (the preset's
-default) every train step carries an id and, after all of its ops ran,
-records it in a small ps variable; a re-run that finds its id there applies
-nothing. What remains: a worker that dies *while* writing its update leaves
+that update would land twice. With the preset's `exactly_once_steps` every
+train step carries an id and, after all of its ops ran, records it in a
+small ps variable; a re-run (flagged by tfdist.compat.ps_recovery) that
+finds its id there applies nothing. What remains: a worker that dies *while* writing its update leaves
 part of it applied and the re-run applies all of it (TensorFlow has no
 transaction across variables). `train` counts re-runs and the updates that
 landed twice anyway (`StepsReport`).
@@ -56,7 +56,7 @@ _EXACTLY_ONCE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionar
 
 
 def set_exactly_once_steps(strategy, enabled: bool) -> None:
-    """Whether trainers of `strategy` skip re-runs of steps already applied (default True)."""
+    """Whether trainers of `strategy` skip re-runs of steps already applied (default False)."""
     with _TRAINERS_LOCK:
         _EXACTLY_ONCE[strategy] = bool(enabled)
 
@@ -140,7 +140,7 @@ class CoordinatorTrainer:
         self.strategy = strategy
         self.coordinator = coordinator_for(strategy)
         self.compile_token = ps_keras.compile_token(model)
-        self.exactly_once_steps = _EXACTLY_ONCE.get(strategy, True)
+        self.exactly_once_steps = _EXACTLY_ONCE.get(strategy, False)
         self._functions: dict[Any, Callable] = {}
         self._iterators: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._ledger_variable = None
@@ -185,9 +185,10 @@ class CoordinatorTrainer:
     def step_function(self, kind: str) -> Callable:
         """The traced function one worker runs for one step ("train" or "test").
 
-        With `exactly_once_steps`, a train step takes `(iterator, step_id)` and
-        runs only if the ledger does not already record `step_id` as applied
-        (see `_ledger`); otherwise a step takes `(iterator,)`.
+        With `exactly_once_steps`, a train step takes `(iterator, step_id,
+        rerun)` and, on a re-run, runs only if the ledger does not already
+        record `step_id` as applied (see `_ledger`); otherwise a step takes
+        `(iterator,)`.
         """
         if kind not in self._functions:
             tf = import_tensorflow()
@@ -229,9 +230,12 @@ class CoordinatorTrainer:
         ledger = self._ledger_variable
         capacity = int(ledger.shape[0])
 
-        def once(iterator, step_id):
+        def once(iterator, step_id, rerun):
             slot = tf.math.floormod(step_id, capacity)
-            applied = tf.equal(ledger.sparse_read(slot), step_id)
+            # Only a re-run (flagged by tfdist's failure handler) reads the ledger:
+            # first runs pay no extra round trip before their work.
+            applied = tf.cond(rerun, lambda: tf.equal(ledger.sparse_read(slot), step_id),
+                              lambda: tf.constant(False))
             seen = {}
 
             def apply():
@@ -282,6 +286,8 @@ class CoordinatorTrainer:
     # --- loops ----------------------------------------------------------------------
 
     def _run(self, kind: str, x, num_steps: int, hooks: StepHooks) -> dict:
+        from tfdist.compat import ps_recovery
+
         tf = import_tensorflow()
         iterator = self._iterator(kind, x)
         gated = kind == "train" and self.exactly_once_steps
@@ -290,11 +296,13 @@ class CoordinatorTrainer:
         function = self.step_function(kind)
         batch_logs = _BatchLogs(self.model)
         last = None
+        first_run = ps_recovery.first_run_flag()
         for step in range(num_steps):
             hooks.begin(step)
             args = (iterator,)
             if gated:
-                args += (tf.constant(self._next_step_id, tf.int64),)
+                # The failure handler swaps first_run for True when it re-runs this step.
+                args += (tf.constant(self._next_step_id, tf.int64), first_run)
                 self._next_step_id += 1
             last = self.coordinator.schedule(function, args=args)
             batch_logs.scheduled(last)
