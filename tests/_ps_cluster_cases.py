@@ -27,7 +27,7 @@ NUM_WORKERS = 2
 @pytest.fixture(scope="module")
 def strategy():
     return tfdist.make_strategy("parameter_server", local_workers=NUM_WORKERS, local_ps=2,
-                                exactly_once_steps=True)
+                                skip_completed_reruns=True)
 
 
 @pytest.fixture(scope="module")
@@ -464,7 +464,7 @@ def test_a_rerun_of_an_applied_step_applies_nothing(strategy, data):
     model = _model(strategy)
     model.fit(_dataset_fn(data), epochs=1, steps_per_epoch=2, verbose=0)
     trainer = CoordinatorTrainer.for_model(model)
-    assert trainer.exactly_once_steps
+    assert trainer.skip_completed_reruns
     function = trainer.step_function("train")
     iterator = trainer._iterator("train", _dataset_fn(data))
     step_id = tf.constant(trainer._next_step_id, tf.int64)

@@ -13,7 +13,7 @@ Modes (argv[1]):
     3. epochs until <dir>/phase_c exists (the test restarts and kills
        workers meanwhile: the overlapping failures of issue 15);
     4. "accounted": iterations vs scheduled steps and the steps reported as
-       applied twice;
+       re-run after writing;
     5. waits for <dir>/all_lost (both workers killed): the next fit fails
        ("all_lost_error"); waits for <dir>/worker_back: one more epoch
        ("resumed");
@@ -53,13 +53,13 @@ def faults(workdir, strategy, tf, keras, np, model, dataset_fn):
 
     from tfdist.ps import CoordinatorTrainer
 
-    scheduled = applied_twice = 0
+    scheduled = rerun_after_write = 0
 
     def epoch(tag=None):
-        nonlocal scheduled, applied_twice
+        nonlocal scheduled, rerun_after_write
         model.fit(dataset_fn, epochs=1, steps_per_epoch=STEPS, verbose=0)
         scheduled += STEPS
-        applied_twice += CoordinatorTrainer.for_model(model).last_report.applied_twice
+        rerun_after_write += CoordinatorTrainer.for_model(model).last_report.rerun_after_write
         emit(event="epoch", tag=tag, iterations=int(model.optimizer.iterations.numpy()))
 
     epoch("first")
@@ -92,7 +92,7 @@ def faults(workdir, strategy, tf, keras, np, model, dataset_fn):
         epoch()
     epoch("after")
     emit(event="accounted", iterations=int(model.optimizer.iterations.numpy()),
-         scheduled=scheduled, applied_twice=applied_twice,
+         scheduled=scheduled, rerun_after_write=rerun_after_write,
          reruns=ps_recovery.rerun_count(coordinator))
 
     # 5. Every worker lost: a clear error in bounded time, then training goes on.
@@ -107,7 +107,7 @@ def faults(workdir, strategy, tf, keras, np, model, dataset_fn):
     before = int(model.optimizer.iterations.numpy())
     model.fit(dataset_fn, epochs=1, steps_per_epoch=STEPS, verbose=0)
     emit(event="resumed", applied=int(model.optimizer.iterations.numpy()) - before,
-         applied_twice=CoordinatorTrainer.for_model(model).last_report.applied_twice)
+         rerun_after_write=CoordinatorTrainer.for_model(model).last_report.rerun_after_write)
 
     # 6. Losing the ps is fatal for this process: a clear error, in bounded time.
     wait_for(workdir, "ps_killed")
@@ -126,7 +126,7 @@ def main(mode: str, workdir: str) -> None:
     # timeout also bounds how long every worker may be lost (step 5).
     strategy = tfdist.make_strategy("parameter_server",
                                     connect_timeout=20 if mode == "faults" else 90,
-                                    exactly_once_steps=mode == "faults")
+                                    skip_completed_reruns=mode == "faults")
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()

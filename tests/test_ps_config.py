@@ -31,7 +31,7 @@ def test_defaults_and_registry():
     (dict(connect_timeout=0), r"connect_timeout must be a finite number of seconds > 0"),
     (dict(connect_timeout=float("inf")), r"Received: connect_timeout=inf"),
     (dict(connect_timeout=float("nan")), r"Received: connect_timeout=nan"),
-    (dict(exactly_once_steps="yes"), r"exactly_once_steps must be True or False"),
+    (dict(skip_completed_reruns="yes"), r"skip_completed_reruns must be True or False"),
     (dict(shard_count=True), r"Received: shard_count=True"),
 ])
 def test_bad_options_are_rejected(kwargs, pattern):

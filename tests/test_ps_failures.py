@@ -6,7 +6,7 @@
    worker:0 killed while worker:1's replacement is starting (issue 15: the
    coordinator used to stall for an hour; now it trains on worker:1, and
    worker:0 rejoins when restarted); every step accounted for exactly
-   (iterations == scheduled + steps reported applied twice); both workers
+   (iterations == scheduled + re-run steps reported as written twice); both workers
    lost -> a clear error within connect_timeout, and training continues once
    one is back; the ps lost -> a clear error.
 2. The ps killed under `tfdist launch --max_restarts=1`: the launcher restarts
@@ -173,8 +173,8 @@ def test_worker_failures_overlapping_all_lost_and_ps_lost(tmp_path):
         # step whose worker died after writing its update lands twice, and tfdist
         # reports it: no tolerance here.
         assert accounted["iterations"] == (accounted["scheduled"]
-                                           + accounted["applied_twice"]), accounted
-        assert accounted["applied_twice"] <= accounted["reruns"], accounted
+                                           + accounted["rerun_after_write"]), accounted
+        assert accounted["rerun_after_write"] <= accounted["reruns"], accounted
 
         # Every worker lost: a clear error within connect_timeout (20 s) + polling.
         kill("worker", 0)
@@ -189,7 +189,7 @@ def test_worker_failures_overlapping_all_lost_and_ps_lost(tmp_path):
         _wait(lambda: reachable(cluster.worker[1]), "worker:1 listens again", deadline)
         touch("worker_back")
         resumed = chief.until("resumed")
-        assert resumed["applied"] == STEPS_PER_EPOCH + resumed["applied_twice"], resumed
+        assert resumed["applied"] == STEPS_PER_EPOCH + resumed["rerun_after_write"], resumed
 
         # Losing the ps is fatal for this process: a clear error, in bounded time.
         kill("ps", 0)

@@ -281,10 +281,11 @@ class ParameterServerOptions(PresetOptions):
       connect_timeout: seconds to wait for every worker and ps to accept
         connections before giving up with an error that names the address;
         also how long every worker may be lost before scheduled steps fail.
-      exactly_once_steps: when TensorFlow re-runs a train step whose worker
-        died after applying its update, skip it. Costs one more ps write per
-        step (it must follow the step's writes); off by default. Either way,
-        steps whose update landed twice are counted and reported.
+      skip_completed_reruns: when TensorFlow re-runs a train step whose worker
+        died after the step completed (before reporting back), skip it. Costs
+        one more ps write per step, after the step's own writes; off by
+        default. Either way, re-run steps that had written are counted and
+        reported.
     """
 
     preset: ClassVar[str] = "parameter_server"
@@ -306,9 +307,9 @@ class ParameterServerOptions(PresetOptions):
     connect_timeout: float = dataclasses.field(default=60.0, metadata={
         "help": "parameter_server: seconds to wait for every worker and ps to be reachable "
                 "(and how long every worker may be lost before steps fail)."})
-    exactly_once_steps: bool = dataclasses.field(default=False, metadata={
+    skip_completed_reruns: bool = dataclasses.field(default=False, metadata={
         "help": "parameter_server: skip a train step TensorFlow re-runs after a worker "
-                "failure if its update already landed (one more ps write per step)."})
+                "failure if the failed run had completed (one more ps write per step)."})
 
     def __post_init__(self):
         _check_optional_int("local_workers", self.local_workers, 1,
@@ -342,10 +343,10 @@ class ParameterServerOptions(PresetOptions):
                 f"max_shards={self.max_shards!r} without min_shard_bytes. Add "
                 "min_shard_bytes=..., or use shard_count=N for a fixed count."
             )
-        if not isinstance(self.exactly_once_steps, bool):
+        if not isinstance(self.skip_completed_reruns, bool):
             raise ValueError(
-                "exactly_once_steps must be True or False. Received: "
-                f"exactly_once_steps={self.exactly_once_steps!r}.")
+                "skip_completed_reruns must be True or False. Received: "
+                f"skip_completed_reruns={self.skip_completed_reruns!r}.")
         if (isinstance(self.connect_timeout, bool)
                 or not isinstance(self.connect_timeout, (int, float))
                 or not self.connect_timeout > 0

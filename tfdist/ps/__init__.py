@@ -40,7 +40,7 @@ _LAZY = {
     "StepsReport": "tfdist.ps.trainer",
     "coordinator_for": "tfdist.ps.trainer",
     "RepeatedEvaluationDataWarning": "tfdist.ps.keras_api",
-    "StepsAppliedTwiceWarning": "tfdist.ps.keras_api",
+    "RerunStepsWarning": "tfdist.ps.keras_api",
 }
 
 __all__ = ["ParameterServerError", *_LAZY]

@@ -54,7 +54,7 @@ class RepeatedEvaluationDataWarning(UserWarning):
     """`evaluate(steps=N)` on a repeating dataset under parameter-server training re-reads it."""
 
 
-class StepsAppliedTwiceWarning(UserWarning):
+class RerunStepsWarning(UserWarning):
     """A worker died after applying a step's update; TensorFlow re-ran that step elsewhere."""
 
 
@@ -216,7 +216,7 @@ def _fit(model, x, *, epochs, verbose, callbacks, validation_data, initial_epoch
     for epoch in range(initial_epoch, epochs):
         callbacks.on_epoch_begin(epoch)
         epoch_logs = trainer.train(x, steps_per_epoch, hooks)
-        _report_applied_twice(trainer)
+        _report_rerun_after_write(trainer)
         if validation_data is not None and _should_validate(epoch, validation_freq):
             val_logs = _evaluate(model, validation_data, steps=validation_steps,
                                  callbacks=callbacks, verbose=verbose, in_fit=True)
@@ -229,18 +229,18 @@ def _fit(model, x, *, epochs, verbose, callbacks, validation_data, initial_epoch
     return model.history
 
 
-def _report_applied_twice(trainer: CoordinatorTrainer) -> None:
+def _report_rerun_after_write(trainer: CoordinatorTrainer) -> None:
     report = trainer.last_report
-    if report is not None and report.applied_twice:
+    if report is not None and report.rerun_after_write:
         warnings.warn(
-            f"{report.applied_twice} of {report.scheduled} step(s) were applied twice: a "
-            "worker died after writing a step's update to the parameter servers and before "
-            "reporting back, and TensorFlow re-ran the step on another worker "
-            f"({report.rerun} re-run(s); optimizer.iterations moved {report.applied}). "
-            "TensorFlow gives parameter-server steps at-least-once semantics; "
-            "make_strategy('parameter_server', exactly_once_steps=True) skips re-runs of steps "
-            "that had fully landed (see docs/parameter_server.md, 'Failures').",
-            StepsAppliedTwiceWarning, stacklevel=4)
+            f"{report.rerun_after_write} of {report.scheduled} step(s) ran twice: a worker died "
+            "after writing (part of) a step's update to the parameter servers, and TensorFlow "
+            f"re-ran the step on another worker ({report.rerun} re-run(s) this epoch; "
+            f"optimizer.iterations moved {report.applied}). TensorFlow runs parameter-server "
+            "steps at least once; make_strategy('parameter_server', "
+            "skip_completed_reruns=True) skips re-runs of steps that had completed (see "
+            "docs/parameter_server.md, 'Failures').",
+            RerunStepsWarning, stacklevel=4)
 
 
 # --- evaluate --------------------------------------------------------------------------

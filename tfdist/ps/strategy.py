@@ -47,9 +47,9 @@ def make_strategy(options: config_lib.ParameterServerOptions):
     # custom loop's `ClusterCoordinator(strategy)` gets, with tfdist's recovery.
     from tfdist.compat import ps_recovery
     from tfdist.ps.errors import ParameterServerError
-    from tfdist.ps.trainer import coordinator_for, set_exactly_once_steps
+    from tfdist.ps.trainer import coordinator_for, set_skip_completed_reruns
 
-    set_exactly_once_steps(strategy, options.exactly_once_steps)
+    set_skip_completed_reruns(strategy, options.skip_completed_reruns)
     ps_recovery.install(coordinator_for(strategy), all_lost_timeout=options.connect_timeout,
                         reachable=lambda address: servers.reachable(address, timeout=1.0),
                         all_lost_error=ParameterServerError)

@@ -16,7 +16,7 @@ the variables from the parameter servers and writes its update back without
 waiting for the other workers. A worker that dies mid-step has its step
 re-run on another worker (TensorFlow's ClusterCoordinator does this), so a
 step runs at least once: if the dead worker had already applied its update,
-that update would land twice. With the preset's `exactly_once_steps` every
+that update would land twice. With the preset's `skip_completed_reruns` every
 train step carries an id and, after all of its ops ran, records it in a
 small ps variable; a re-run (flagged by tfdist.compat.ps_recovery) that
 finds its id there applies nothing. What remains: a worker that dies *while* writing its update leaves
@@ -52,13 +52,13 @@ BATCH_LOG_INTERVAL = 0.2
 
 _TRAINERS: "weakref.WeakKeyDictionary[Any, CoordinatorTrainer]" = weakref.WeakKeyDictionary()
 _TRAINERS_LOCK = threading.Lock()
-_EXACTLY_ONCE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_SKIP_COMPLETED: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
-def set_exactly_once_steps(strategy, enabled: bool) -> None:
+def set_skip_completed_reruns(strategy, enabled: bool) -> None:
     """Whether trainers of `strategy` skip re-runs of steps already applied (default False)."""
     with _TRAINERS_LOCK:
-        _EXACTLY_ONCE[strategy] = bool(enabled)
+        _SKIP_COMPLETED[strategy] = bool(enabled)
 
 
 def coordinator_for(strategy):
@@ -90,9 +90,11 @@ class StepsReport:
       scheduled: steps scheduled (and finished: `train` waits for all of them).
       applied: how far `optimizer.iterations` moved (exact: incremented on the ps).
       rerun: steps TensorFlow re-ran after a worker failure.
-      applied_twice: steps whose update landed twice (a worker died after
-        applying its update but before reporting back): `applied - scheduled`,
-        at most `rerun`.
+      rerun_after_write: re-run steps whose first run had already written to
+        the parameter servers (it incremented `optimizer.iterations`, so at
+        least part of its update landed, and the re-run applied it again):
+        `applied - scheduled`, at most `rerun`. TensorFlow orders the writes of
+        one step freely, so how much of the first run landed is unknown.
     """
 
     scheduled: int
@@ -100,7 +102,7 @@ class StepsReport:
     rerun: int
 
     @property
-    def applied_twice(self) -> int:
+    def rerun_after_write(self) -> int:
         return max(0, min(self.applied - self.scheduled, self.rerun))
 
 
@@ -140,7 +142,7 @@ class CoordinatorTrainer:
         self.strategy = strategy
         self.coordinator = coordinator_for(strategy)
         self.compile_token = ps_keras.compile_token(model)
-        self.exactly_once_steps = _EXACTLY_ONCE.get(strategy, False)
+        self.skip_completed_reruns = _SKIP_COMPLETED.get(strategy, False)
         self._functions: dict[Any, Callable] = {}
         self._iterators: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._ledger_variable = None
@@ -185,7 +187,7 @@ class CoordinatorTrainer:
     def step_function(self, kind: str) -> Callable:
         """The traced function one worker runs for one step ("train" or "test").
 
-        With `exactly_once_steps`, a train step takes `(iterator, step_id,
+        With `skip_completed_reruns`, a train step takes `(iterator, step_id,
         rerun)` and, on a re-run, runs only if the ledger does not already
         record `step_id` as applied (see `_ledger`); otherwise a step takes
         `(iterator,)`.
@@ -199,7 +201,7 @@ class CoordinatorTrainer:
                 outputs = strategy.run(step, args=(next(iterator),))
                 return strategy.experimental_local_results(outputs)[0]
 
-            if kind == "train" and self.exactly_once_steps:
+            if kind == "train" and self.skip_completed_reruns:
                 self._ledger(1)
                 function = self._once_per_step_id(run)
             else:
@@ -290,7 +292,7 @@ class CoordinatorTrainer:
 
         tf = import_tensorflow()
         iterator = self._iterator(kind, x)
-        gated = kind == "train" and self.exactly_once_steps
+        gated = kind == "train" and self.skip_completed_reruns
         if gated:
             self._ledger(num_steps)
         function = self.step_function(kind)
