@@ -24,12 +24,12 @@ def _case_count() -> int:
         return len(re.findall(r"^def test_", f.read(), flags=re.M))
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(660)
 def test_in_process_cluster_cases():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", CASES, "-q", "-p", "no:cacheprovider", "-o",
-         "addopts=", "--timeout=300", "-rs"],
-        capture_output=True, text=True, timeout=400, cwd=os.path.dirname(HERE),
+         "addopts=", "--timeout=600", "-rs"],
+        capture_output=True, text=True, timeout=640, cwd=os.path.dirname(HERE),
         env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
