@@ -22,7 +22,12 @@ but:
 * recovers each worker by itself: a recovery thread watches the failed
   workers' addresses and, when one accepts connections again, updates the
   coordinator's cluster to the workers that are up (a ServerDef listing only
-  them), so a worker that is still down never blocks one that is back;
+  them), so a worker that is still down never blocks one that is back. The
+  update runs with GRPC_FAIL_FAST=true: under TensorFlow's default its
+  GetStatus RPC waits for a listed task that died meanwhile until it
+  returns (verified: blocked > 40 s; with the setting, UnavailableError at
+  once, and the next attempt leaves that worker out). Installing sets
+  GRPC_FAIL_FAST to TensorFlow's default, "use_caller", if it is unset;
 * gives up clearly: when every worker has been down for `all_lost_timeout`
   seconds (the preset's `connect_timeout`), the scheduled steps fail with
   `tfdist.ParameterServerError` naming the workers, instead of waiting an
@@ -123,6 +128,43 @@ def _mark_rerun(closure) -> None:
         closure._args = tuple(_flags[True] if a is _flags[False] else a for a in args)
 
 
+_env_lock = threading.Lock()
+
+
+def keep_fail_fast_setting() -> None:
+    """Makes GRPC_FAIL_FAST an entry of the environment (TensorFlow's default, "use_caller").
+
+    `_fail_fast_rpcs` then only replaces an existing entry while other threads
+    may read the environment (adding one can reallocate it under them).
+    ParameterServerStrategy's own docstring asks coordinators to set this value.
+    """
+    with _env_lock:
+        os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+
+
+@contextlib.contextmanager
+def _fail_fast_rpcs():
+    """GRPC_FAIL_FAST=true around one cluster update (TensorFlow reads it per RPC).
+
+    With TensorFlow's default ("use_caller") the update's first RPC, GetStatus,
+    waits for a task that does not answer until it comes back (RFC
+    tensorflow/community#355): a worker that dies during the update would
+    block recovery for good. Step RPCs are fail-fast under the default
+    already, so only waiting RPCs change, for the length of the update.
+    """
+    with _env_lock:
+        previous = os.environ.get("GRPC_FAIL_FAST")
+        os.environ["GRPC_FAIL_FAST"] = "true"
+    try:
+        yield
+    finally:
+        with _env_lock:
+            if previous is None:
+                os.environ.pop("GRPC_FAIL_FAST", None)
+            else:
+                os.environ["GRPC_FAIL_FAST"] = previous
+
+
 def _worker_index(device_name: str) -> int | None:
     try:
         return int(device_name.rsplit("task:", 1)[1].split("/")[0])
@@ -153,7 +195,6 @@ class PartialRecovery:
         self._ps_addresses = self._job_addresses(server_def, "ps")
         self._cond = threading.Condition()
         self._down: dict[int, float] = {}  # worker index -> when it failed
-        self._generation = 0  # bumped at every successful cluster update
         self._failed_error: Exception | None = None
         self._running = True
         self.reruns = 0
@@ -257,9 +298,14 @@ class PartialRecovery:
     def _update(self, back: set[int], down: dict[int, float]) -> None:
         from tensorflow.python.eager import context
 
-        still_down = set(down) - back
+        # Leave out every worker that is down or does not answer now: one that
+        # is listed but dead makes the update fail (or, without fail-fast,
+        # block in GetStatus until it returns).
+        still_down = {i for i, address in self._addresses.items()
+                      if i not in back and (i in down or not self._reachable(address))}
         try:
-            context.context().update_server_def(self._server_def_without(still_down))
+            with _fail_fast_rpcs():
+                context.context().update_server_def(self._server_def_without(still_down))
         except Exception as e:  # noqa: BLE001 (any failure: probe again, decide below)
             logger.info("tfdist: cluster update (workers back: %s) failed: %s", sorted(back), e)
             lost_ps = [f"ps:{i} at {a}" for i, a in sorted(self._ps_addresses.items())
@@ -272,7 +318,6 @@ class PartialRecovery:
         with self._cond:
             for index in back:
                 self._down.pop(index, None)
-            self._generation += 1
             self._cond.notify_all()
         logger.info("tfdist: cluster updated; workers back: %s; still down: %s",
                     sorted(back), sorted(still_down))
@@ -338,6 +383,7 @@ def install(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], 
         queue = cluster.closure_queue
         require_attributes(queue, "_queue", "_queue_lock", "_stop_waiting_condition", "_error",
                            "_cancellation_mgr", what="ClusterCoordinator closure queue")
+        keep_fail_fast_setting()
         handler = PartialRecovery(cluster, original._server_def,
                                   all_lost_timeout=all_lost_timeout, reachable=reachable,
                                   all_lost_error=all_lost_error)
