@@ -119,7 +119,7 @@ def _measure(num_workers: int, quick: bool) -> dict:
             model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
             times.append(time.perf_counter() - start)
         result[f"steps_per_sec_{opt_name}"] = steps / statistics.median(times)
-        step_fn = ps._step_function(model, strategy, "train")
+        step_fn = ps.CoordinatorTrainer.for_model(model).step_function("train")
         concrete = step_fn._list_all_concrete_functions()[0]
         read, written = _graph_transfers(concrete)
         result[f"read_bytes_{opt_name}"] = read

@@ -26,22 +26,6 @@ PRIVATE_ATTRIBUTE_ROOTS = (("tf", "python"), ("keras", "src"), ("tensorflow", "p
 
 # (path, offending code) -> "owner: why it is still here". Drive to empty.
 ALLOWLIST: dict[tuple[str, str], str] = {
-    # --- ps helper (tfdist/ps.py, being split into tfdist/ps/): Keras fit internals ---
-    ("tfdist/ps.py", "model._symbolic_build"): "ps: builds the model from the first batch",
-    ("tfdist/ps.py", "import tensorflow.python.distribute.coordinator"):
-        "ps: RemoteValue status and cluster_coordinator internals",
-    ("tfdist/ps.py", "getattr(self._first, '_status')"): "ps: RemoteValue readiness",
-    ("tfdist/ps.py", "import keras.src.utils.python_utils"): "ps: pythonify_logs",
-    ("tfdist/ps.py", "model._get_metrics_result_or_logs"): "ps: Keras fit's epoch logs",
-    ("tfdist/ps.py", "import keras.src"): "ps: keras.src.callbacks CallbackList",
-    ("tfdist/ps.py", "model._assert_compile_called"): "ps: Keras fit's compile check",
-    ("tfdist/ps.py", "getattr(model, '_initial_epoch')"): "ps: BackupAndRestore's resume epoch",
-    ("tfdist/ps.py", "model._should_eval"): "ps: validation_freq",
-    ("tfdist/ps.py", "model._flatten_metrics_in_order"): "ps: evaluate's return order",
-    ("tfdist/ps.py", "model._distribute_strategy"): "ps: predict without the PS strategy",
-    # --- files helper ---
-    ("tfdist/checkpoint.py", "self.model._initial_epoch"):
-        "files: the resume epoch, as keras.callbacks.BackupAndRestore sets it",
     # --- split helper ---
     ("tfdist/split/tensor_parallel.py", "layer._layers"): "split: Keras's sub-layer tracker",
     ("tfdist/split/tensor_parallel.py", "layer._tracker"): "split: unlocks Keras's tracker",

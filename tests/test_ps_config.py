@@ -28,7 +28,10 @@ def test_defaults_and_registry():
     (dict(local_workers=2), r"local_workers and local_ps together"),
     (dict(local_workers=0, local_ps=1), r"Received: local_workers=0"),
     (dict(local_workers=1, local_ps=0), r"Received: local_ps=0"),
-    (dict(connect_timeout=0), r"connect_timeout must be a number of seconds > 0"),
+    (dict(connect_timeout=0), r"connect_timeout must be a finite number of seconds > 0"),
+    (dict(connect_timeout=float("inf")), r"Received: connect_timeout=inf"),
+    (dict(connect_timeout=float("nan")), r"Received: connect_timeout=nan"),
+    (dict(skip_completed_reruns="yes"), r"skip_completed_reruns must be True or False"),
     (dict(shard_count=True), r"Received: shard_count=True"),
 ])
 def test_bad_options_are_rejected(kwargs, pattern):
@@ -49,8 +52,20 @@ def test_no_cluster_is_a_clear_error(monkeypatch):
 def test_tf_config_without_ps_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", _tf_config(
         {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}))
-    with pytest.raises(ValueError, match=r"without parameter servers .*at least one 'ps' task"):
+    with pytest.raises(ValueError, match=r"ParameterServerStrategy needs at least one ps"):
         tfdist.make_strategy("parameter_server")
+
+
+@pytest.mark.parametrize("task_type", ["worker", "ps", "chief"])
+def test_cluster_without_chief_is_a_clear_error_not_a_server_forever(monkeypatch, task_type):
+    """Issue 15: a worker or ps of a cluster with no coordinator used to serve forever."""
+    cluster = {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+    if task_type == "chief":
+        cluster = {"chief": ["127.0.0.1:3"], "ps": ["127.0.0.1:2"]}
+    monkeypatch.setenv("TF_CONFIG", _tf_config(cluster, task_type))
+    missing = "at least one worker" if task_type == "chief" else "a chief"
+    with pytest.raises(ValueError, match=rf"ParameterServerStrategy needs {missing}"):
+        tfdist.make_strategy("parameter_server", connect_timeout=1.0)
 
 
 def test_unreachable_ps_fails_within_the_timeout(monkeypatch):

@@ -73,6 +73,7 @@ _EXPORTS = {
     # parameter-server training
     "ParameterServerOptions": "tfdist.config",
     "ParameterServerError": "tfdist.ps",
+    "PerWorkerDataset": "tfdist.ps",
 
     # model splitting (tfdist/split/)
     "split_model": "tfdist.split.pipeline",

@@ -279,7 +279,13 @@ class ParameterServerOptions(PresetOptions):
       max_shards: upper bound on shards per variable with `min_shard_bytes`
         (default: the number of parameter servers).
       connect_timeout: seconds to wait for every worker and ps to accept
-        connections before giving up with an error that names the address.
+        connections before giving up with an error that names the address;
+        also how long every worker may be lost before scheduled steps fail.
+      skip_completed_reruns: when TensorFlow re-runs a train step whose worker
+        died after the step completed (before reporting back), skip it. Costs
+        one more ps write per step, after the step's own writes; off by
+        default. Either way, re-run steps that had written are counted and
+        reported.
     """
 
     preset: ClassVar[str] = "parameter_server"
@@ -299,7 +305,11 @@ class ParameterServerOptions(PresetOptions):
         "help": "parameter_server: at most N shards per variable with --min_shard_bytes "
                 "(default: the number of ps)."})
     connect_timeout: float = dataclasses.field(default=60.0, metadata={
-        "help": "parameter_server: seconds to wait for every worker and ps to be reachable."})
+        "help": "parameter_server: seconds to wait for every worker and ps to be reachable "
+                "(and how long every worker may be lost before steps fail)."})
+    skip_completed_reruns: bool = dataclasses.field(default=False, metadata={
+        "help": "parameter_server: skip a train step TensorFlow re-runs after a worker "
+                "failure if the failed run had completed (one more ps write per step)."})
 
     def __post_init__(self):
         _check_optional_int("local_workers", self.local_workers, 1,
@@ -333,11 +343,16 @@ class ParameterServerOptions(PresetOptions):
                 f"max_shards={self.max_shards!r} without min_shard_bytes. Add "
                 "min_shard_bytes=..., or use shard_count=N for a fixed count."
             )
+        if not isinstance(self.skip_completed_reruns, bool):
+            raise ValueError(
+                "skip_completed_reruns must be True or False. Received: "
+                f"skip_completed_reruns={self.skip_completed_reruns!r}.")
         if (isinstance(self.connect_timeout, bool)
                 or not isinstance(self.connect_timeout, (int, float))
-                or not self.connect_timeout > 0):
+                or not self.connect_timeout > 0
+                or self.connect_timeout == float("inf")):
             raise ValueError(
-                "connect_timeout must be a number of seconds > 0. Received: "
+                "connect_timeout must be a finite number of seconds > 0. Received: "
                 f"connect_timeout={self.connect_timeout!r}."
             )
 

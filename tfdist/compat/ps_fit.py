@@ -1,68 +1,113 @@
-"""Keras 3 `Model.fit`/`evaluate`/`predict` under ParameterServerStrategy.
+"""Keras 3 `Model.compile`/`fit`/`evaluate`/`predict` under ParameterServerStrategy.
 
 Upstream: keras-team/keras#18624. Keras 3's TensorFlow trainer has no
 ClusterCoordinator or DatasetCreator support: under a ParameterServerStrategy
 `fit` rejects tf.data ("you need to pass this dataset to
 ClusterCoordinator.create_per_worker_dataset"), numpy, and callables
-("Unrecognized data type"). Verified on Keras 3.15 / TF 2.21.
+("Unrecognized data type"); `compile(pss_evaluation_shards=...)` (tf_keras's
+exactly-once evaluation, used by the public parameter_server_training
+tutorial) is a TypeError. Verified on Keras 3.15 / TF 2.21.
 
-The fix wraps `TensorFlowTrainer.fit`, `evaluate` and `predict`: when the
-model's distribute strategy is a ParameterServerStrategy, the call goes to
-`tfdist.ps.fit` / `evaluate` / `predict`; otherwise to Keras unchanged. So
-users keep calling plain `model.fit` on a model built and compiled under
-`strategy.scope()`. Installed by the `parameter_server` preset (idempotent).
+The fixes wrap `TensorFlowTrainer.fit`, `evaluate`, `predict` and `compile`:
+when the model's strategy is a ParameterServerStrategy made by
+`tfdist.make_strategy`, the call goes to the route given to `install()` (the
+parameter_server preset passes tfdist.ps's Keras entry points); every other
+model runs Keras unchanged, `compile(pss_evaluation_shards=...)` included (a
+TypeError, as in stock Keras). This module never imports tfdist.ps: the preset
+hands it the routes, so imports go one way (tfdist.ps -> tfdist.compat).
+Models that override these methods (KerasHub tasks) still reach the routes
+through `super().fit(...)`.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
+from typing import Any, Callable
+
+from tfdist.compat import _patch, ps_keras
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/18624"
-_METHODS = ("fit", "evaluate", "predict")
-_originals: dict[str, object] = {}
+
+# Keras's signatures these fixes were written for (what the routes accept).
+_SIGNATURES = {
+    "fit": ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_split",
+            "validation_data", "shuffle", "class_weight", "sample_weight", "initial_epoch",
+            "steps_per_epoch", "validation_steps", "validation_batch_size", "validation_freq"),
+    "evaluate": ("x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks",
+                 "return_dict", "kwargs"),
+    "predict": ("x", "batch_size", "verbose", "steps", "callbacks"),
+    "compile": ("optimizer", "loss", "loss_weights", "metrics", "weighted_metrics",
+                "run_eagerly", "steps_per_execution", "jit_compile", "auto_scale_loss"),
+}
+METHODS = tuple(_SIGNATURES)
+
+Route = Callable[..., Any]
+_routes: dict[str, Route] = {}
+_lock = threading.Lock()
 
 
 def _trainer_class():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return TensorFlowTrainer
 
 
-def original(method: str):
-    """Keras's own (unwrapped) TensorFlowTrainer method."""
-    cls = _trainer_class()
-    return _originals.get(method, getattr(cls, method))
+def _applies(model, *args, **kwargs) -> bool:
+    return ps_keras.owned_ps_strategy(getattr(model, "distribute_strategy", None))
 
 
-def _dispatching(method: str, keras_method):
-    @functools.wraps(keras_method)
-    def wrapper(self, *args, **kwargs):
-        from tfdist import ps
+def _make(method: str):
+    def make(original):
+        @_patch.passthrough(original, _applies)
+        def routed(self, *args, **kwargs):
+            # route(model, keras_method, *args, **kwargs): keras_method is Keras's own
+            # implementation, for the parts the route hands back to Keras.
+            return _routes[method](self, original, *args, **kwargs)
 
-        if ps.is_parameter_server_strategy(self.distribute_strategy):
-            return getattr(ps, method)(self, *args, **kwargs)
-        return keras_method(self, *args, **kwargs)
+        return routed
 
-    wrapper._tfdist_patched = True
-    return wrapper
-
-
-def installed() -> bool:
-    cls = _trainer_class()
-    return all(getattr(getattr(cls, m), "_tfdist_patched", False) for m in _METHODS)
+    return make
 
 
-def install() -> None:
-    """Routes fit/evaluate/predict of PS-strategy models to tfdist.ps."""
+def _fix(method: str) -> _patch.Fix:
+    return _patch.Fix(
+        name=f"ps_fit.{method}", issue=UPSTREAM_ISSUE,
+        target=lambda: (_trainer_class(), method),
+        check=lambda original: _patch.require_signature(
+            original, *_SIGNATURES[method], what=f"keras TensorFlowTrainer.{method}"),
+        make=_make(method))
+
+
+FIXES = tuple(_fix(m) for m in METHODS)
+
+
+def install(routes: dict[str, Route]) -> tuple[str, ...]:
+    """Routes compile/fit/evaluate/predict of tfdist PS-strategy models to `routes[method]`.
+
+    Args:
+      routes: method name -> `route(model, keras_method, *args, **kwargs)`, one per
+        name in `METHODS`.
+
+    Returns:
+      The names of the fixes installed by this call (none when already installed).
+
+    Raises:
+      ValueError: `routes` does not name exactly `METHODS`.
+      CompatError: Keras's methods are not shaped as these fixes expect.
+    """
+    if set(routes) != set(METHODS):
+        raise ValueError(f"routes must name {', '.join(METHODS)}. Received: {sorted(routes)}.")
     from tfdist.compat._versions import check_versions
 
-    cls = _trainer_class()
-    if installed():
-        return
+    with _lock:
+        _routes.update(routes)
     check_versions(warn=True)
-    for method in _METHODS:
-        current = getattr(cls, method)
-        if getattr(current, "_tfdist_patched", False):
-            continue
-        _originals[method] = current
-        setattr(cls, method, _dispatching(method, current))
+    return tuple(fix.name for fix in FIXES if _patch.install(fix))
+
+
+def names() -> tuple[str, ...]:
+    """The names of this module's fixes (for `_patch.uninstall`)."""
+    return tuple(fix.name for fix in FIXES)

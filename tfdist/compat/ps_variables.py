@@ -8,10 +8,10 @@ race in variable update under PS strategy"). Verified on Keras 3.15 / TF 2.21.
    `self.assign(self + v)` (keras/src/backend/common/variables.py): a read,
    an add on the worker, and a write. Asynchronous workers interleave those
    three steps, so `optimizer.iterations` and every metric (`total`,
-   `count`) lose 10-25% of their updates. TensorFlow's own
-   `ResourceVariable.assign_add` is one `AssignAddVariableOp` executed on the
-   ps under the variable's lock. Under a ParameterServerStrategy we route
-   Keras's `assign_add`/`assign_sub` to it.
+   `count`) lose updates. TensorFlow's own `ResourceVariable.assign_add` is
+   one `AssignAddVariableOp` executed on the ps under the variable's lock.
+   Fixes `assign_add` / `assign_sub` route Keras's methods to it for
+   variables created under a tfdist ParameterServerStrategy.
 
 2. Sharded variables (`variable_partitioner`): the Keras variable then wraps
    a `ShardedVariable`, which has no `.handle`, so `tape.gradient(loss,
@@ -20,60 +20,38 @@ race in variable update under PS strategy"). Verified on Keras 3.15 / TF 2.21.
    reference, which ShardedVariable refuses ("ShardedVariable doesn't support
    being used as a reference"). tf_keras trains shard by shard. We do the
    same without changing what users see:
-   - `GradientTape.gradient` differentiates w.r.t. the shard variables of any
-     sharded Keras variable among the sources and stitches the shard
-     gradients into one full-shape gradient (dense, or IndexedSlices for
+   - `tape_gradient`: `GradientTape.gradient` differentiates w.r.t. the shard
+     variables of a sharded Keras variable among the sources and stitches the
+     shard gradients into one full-shape gradient (dense, or IndexedSlices for
      embedding lookups), so custom `train_step`s keep working unchanged;
-   - `np.asarray(variable)` (what `model.save` uses) reads the concatenated
-     shards instead of failing ("'ShardedVariable' object has no attribute
-     '__array__'");
-   - the TF optimizer applies its update step to the ShardedVariable
-     directly (its `assign*`/`scatter_*` methods split the update per shard,
-     each one atomic on its own ps), and creates optimizer slots for a
-     sharded variable with the same partitioner, so slots are sharded too.
+   - `array`: `np.asarray(variable)` (what `model.save` uses) reads the
+     concatenated shards instead of failing ("'ShardedVariable' object has no
+     attribute '__array__'");
+   - `distributed_update_step`, `weight_decay`: the TF optimizer applies its
+     update to the ShardedVariable directly (its `assign*`/`scatter_*` methods
+     split the update per shard, each one atomic on its own ps);
+   - `slot_from_reference`: optimizer slots of a sharded variable are created
+     with the strategy's partitioner, so slots are sharded too. Keras's own
+     code colocates each slot with its variable, which TensorFlow refuses for
+     a ShardedVariable. Slots created lazily inside `strategy.run` (the
+     public tutorial's custom loop) are created in the replica context they
+     are asked for in: entering `strategy.scope()` there raises "Method
+     requires being in cross-replica context".
 
-`install()` is idempotent and is called by the `parameter_server` preset.
-Outside a ParameterServerStrategy and without sharded variables every
-patched method defers to the original.
+Every fix passes straight through to Keras/TensorFlow unless the variable (or
+the optimizer's strategy) belongs to a ParameterServerStrategy made by
+`tfdist.make_strategy`; `install()` is idempotent and is called by the
+`parameter_server` preset; `tfdist.compat._patch.uninstall()` undoes it. The
+canaries in tests/_ps_unpatched_run.py run the unpatched path and see it fail.
 """
 
 from __future__ import annotations
 
-import functools
-
 from tfdist._tf import import_tensorflow
-from tfdist.compat._versions import check_versions
+from tfdist.compat import _owner, _patch, ps_keras
 
 UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/18624"
 RACE_ISSUE = "https://github.com/keras-team/keras/issues/18668"
-
-_installed = False
-
-
-def upstream_assign_add_is_read_modify_write() -> bool:
-    """True while Keras's `Variable.assign_add` is still `assign(self + value)`.
-
-    tests/test_ps_compat.py asserts this, so the test fails (and this fix can
-    be retired) once upstream makes `assign_add` a native increment.
-    """
-    import inspect
-
-    from keras.src.backend.common import variables
-
-    source = inspect.getsource(variables.Variable.assign_add)
-    return "self.assign(self + value)" in source
-
-
-def _is_parameter_server_strategy(strategy) -> bool:
-    from tensorflow.python.distribute import parameter_server_strategy_v2
-
-    return isinstance(strategy, parameter_server_strategy_v2.ParameterServerStrategyV2)
-
-
-def _in_parameter_server_strategy() -> bool:
-    tf = import_tensorflow()
-    return tf.distribute.has_strategy() and _is_parameter_server_strategy(
-        tf.distribute.get_strategy())
 
 
 def is_sharded(variable) -> bool:
@@ -84,29 +62,72 @@ def is_sharded(variable) -> bool:
     return isinstance(value, sharded_variable.ShardedVariable)
 
 
-# --- 1. atomic assign_add / assign_sub ---------------------------------------
+def _owned_variable(variable) -> bool:
+    return ps_keras.owned_ps_strategy(_owner.strategy_of_variable(variable))
 
 
-def _atomic_update(original, tf_method: str):
-    @functools.wraps(original)
-    def update(self, value):
+def _owned_sharded(variable) -> bool:
+    return is_sharded(variable) and _owned_variable(variable)
+
+
+def _keras_variable_class():
+    import_tensorflow()
+    from keras.src.backend.tensorflow import core
+
+    return core.Variable
+
+
+def _optimizer_class():
+    import_tensorflow()
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+    return tf_optimizer.TFOptimizer
+
+
+# --- 1. atomic assign_add / assign_sub -----------------------------------------------
+
+
+def _check_update(original) -> None:
+    _patch.require_signature(original, "value", what="keras Variable.assign_add/assign_sub")
+    _patch.require_attributes(_keras_variable_class(), "_convert_to_tensor", "shape",
+                              what="keras TensorFlow Variable")
+
+
+def _atomic(tf_method: str):
+    def make(original):
         from keras.src.backend.common.stateless_scope import in_stateless_scope
 
         tf = import_tensorflow()
-        target = self._value
-        if (target is None or in_stateless_scope()
-                or not _in_parameter_server_strategy()):
-            return original(self, value)
-        value = self._convert_to_tensor(value, dtype=self._dtype)
-        if not value.shape.is_compatible_with(self.shape):
-            return original(self, value)  # Keras raises its own shape error
-        return getattr(target, tf_method)(tf.cast(value, target.dtype))
 
-    update._tfdist_patched = True
-    return update
+        def applies(self, value):
+            # Inside a StatelessScope Keras records the update instead of applying it.
+            return (getattr(self, "_value", None) is not None and not in_stateless_scope()
+                    and _owned_variable(self))
+
+        @_patch.passthrough(original, applies)
+        def update(self, value):
+            target = self._value
+            value = self._convert_to_tensor(value, dtype=self._dtype)
+            if not value.shape.is_compatible_with(self.shape):
+                return original(self, value)  # Keras raises its own shape error
+            return getattr(target, tf_method)(tf.cast(value, target.dtype))
+
+        return update
+
+    return make
 
 
-# --- 2a. gradients w.r.t. sharded variables -----------------------------------
+ASSIGN_ADD = _patch.Fix(
+    name="ps_variables.assign_add", issue=RACE_ISSUE,
+    target=lambda: (_keras_variable_class(), "assign_add"),
+    check=_check_update, make=_atomic("assign_add"))
+ASSIGN_SUB = _patch.Fix(
+    name="ps_variables.assign_sub", issue=RACE_ISSUE,
+    target=lambda: (_keras_variable_class(), "assign_sub"),
+    check=_check_update, make=_atomic("assign_sub"))
+
+
+# --- 2a. gradients w.r.t. sharded variables ------------------------------------------
 
 
 def _stitch(tf, shard_grads, shards, full_shape):
@@ -131,74 +152,151 @@ def _stitch(tf, shard_grads, shards, full_shape):
     return tf.concat(dense, 0)
 
 
-def _patched_gradient(original):
-    @functools.wraps(original)
+def _tape_target():
+    import_tensorflow()
+    from tensorflow.python.eager import backprop
+
+    return backprop.GradientTape, "gradient"
+
+
+def _check_tape(original) -> None:
+    _patch.require_signature(original, "target", "sources", "output_gradients",
+                             "unconnected_gradients", what="tf.GradientTape.gradient")
+
+
+def _make_tape(original):
+    tf = import_tensorflow()
+    from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+
+    def applies(self, target, sources, output_gradients=None,
+                unconnected_gradients=UnconnectedGradients.NONE):
+        return any(_owned_sharded(s) for s in tf.nest.flatten(sources))
+
+    @_patch.passthrough(original, applies)
     def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=None, **kwargs):
-        tf = import_tensorflow()
-        if unconnected_gradients is not None:
-            kwargs["unconnected_gradients"] = unconnected_gradients
+                 unconnected_gradients=UnconnectedGradients.NONE):
         flat = tf.nest.flatten(sources)
-        if not any(is_sharded(s) for s in flat):
-            return original(self, target, sources, output_gradients, **kwargs)
         expanded = [list(s._value.variables) if is_sharded(s) else s for s in flat]
-        grads = original(self, target, expanded, output_gradients, **kwargs)
+        grads = original(self, target, expanded, output_gradients, unconnected_gradients)
         stitched = [
             _stitch(tf, g, s._value.variables, s._value.shape) if is_sharded(s) else g
             for g, s in zip(grads, flat)
         ]
         return tf.nest.pack_sequence_as(sources, stitched)
 
-    gradient._tfdist_patched = True
     return gradient
 
 
-# --- 2b. optimizer updates and slots for sharded variables ------------------------
+TAPE_GRADIENT = _patch.Fix(
+    name="ps_variables.tape_gradient", issue=UPSTREAM_ISSUE, target=_tape_target,
+    check=_check_tape, make=_make_tape)
 
 
-def _patched_add_variable_from_reference(original):
-    @functools.wraps(original)
-    def add_variable_from_reference(self, reference_variable, name=None,
-                                    initializer="zeros"):
-        if not is_sharded(reference_variable):
-            return original(self, reference_variable, name=name, initializer=initializer)
+# --- 2b. reading a sharded variable as an array ---------------------------------------
+
+
+def _make_array(original):
+    import numpy as np
+
+    # numpy may pass more (copy=): anything not ours goes to Keras exactly as sent.
+    @_patch.passthrough(original, lambda self, *args, **kwargs: _owned_sharded(self))
+    def __array__(self, dtype=None, *args, **kwargs):
+        # ShardedVariable has numpy() (the concatenated shards), no __array__.
+        return np.asarray(self._value.numpy(), dtype=dtype)
+
+    return __array__
+
+
+ARRAY = _patch.Fix(
+    name="ps_variables.array", issue=UPSTREAM_ISSUE,
+    target=lambda: (_keras_variable_class(), "__array__"),
+    check=lambda original: _patch.require_signature(original, "dtype",
+                                                    what="keras Variable.__array__"),
+    make=_make_array)
+
+
+# --- 2c. optimizer updates and slots for sharded variables -------------------------------
+
+
+def _owned_optimizer(optimizer) -> bool:
+    return ps_keras.owned_ps_strategy(getattr(optimizer, "_distribution_strategy", None))
+
+
+def _make_slot_from_reference(original):
+    tf = import_tensorflow()
+    from keras.src.optimizers import base_optimizer
+
+    def applies(self, reference_variable, name=None, initializer="zeros"):
+        return _owned_optimizer(self) and is_sharded(reference_variable)
+
+    @_patch.passthrough(original, applies)
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         # Skip TFOptimizer's colocate_vars_with(ShardedVariable) (it fails, and
-        # TF never partitions colocated variables): created under the
-        # strategy's scope, the slot is partitioned like its variable.
-        from keras.src.optimizers import base_optimizer
-
-        with self._distribution_strategy.scope():
+        # TF never partitions colocated variables): created by the strategy's
+        # variable creator, the slot is partitioned like its variable.
+        def create():
             return base_optimizer.BaseOptimizer.add_variable_from_reference(
                 self, reference_variable, name=name, initializer=initializer)
 
-    add_variable_from_reference._tfdist_patched = True
+        strategy = self._distribution_strategy
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy() is strategy:
+            # In its scope already, or inside strategy.run (a slot created lazily by
+            # the first apply_gradients of a custom loop): scope() would raise there.
+            return create()
+        with strategy.scope():
+            return create()
+
     return add_variable_from_reference
 
 
-def _patched_distributed_update_step(original):
-    @functools.wraps(original)
+SLOT_FROM_REFERENCE = _patch.Fix(
+    name="ps_variables.slot_from_reference", issue=UPSTREAM_ISSUE,
+    target=lambda: (_optimizer_class(), "add_variable_from_reference"),
+    check=lambda original: _patch.require_signature(
+        original, "reference_variable", "name", "initializer",
+        what="TFOptimizer.add_variable_from_reference"),
+    make=_make_slot_from_reference)
+
+
+def _make_distributed_update_step(original):
+    def applies(self, distribution, grads_and_vars, learning_rate):
+        return _owned_optimizer(self) and any(is_sharded(v) for _, v in grads_and_vars)
+
+    @_patch.passthrough(original, applies)
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         grads_and_vars = list(grads_and_vars)
-        sharded = [(g, v) for g, v in grads_and_vars if is_sharded(v)]
-        if not sharded:
-            return original(self, distribution, grads_and_vars, learning_rate)
         plain = [(g, v) for g, v in grads_and_vars if not is_sharded(v)]
         if plain:
             original(self, distribution, plain, learning_rate)
-        for grad, var in sharded:
-            # ShardedVariable's assign*/scatter_* split each update per shard.
-            self.update_step(grad, var, learning_rate)
+        for grad, var in grads_and_vars:
+            if is_sharded(var):
+                # ShardedVariable's assign*/scatter_* split each update per shard.
+                self.update_step(grad, var, learning_rate)
 
-    _distributed_tf_update_step._tfdist_patched = True
     return _distributed_tf_update_step
 
 
-def _patched_apply_weight_decay(original):
-    @functools.wraps(original)
+def _check_update_step(original) -> None:
+    _patch.require_signature(original, "distribution", "grads_and_vars", "learning_rate",
+                             what="TFOptimizer._distributed_tf_update_step")
+    _patch.require_attributes(_optimizer_class(), "update_step", what="TFOptimizer")
+
+
+DISTRIBUTED_UPDATE_STEP = _patch.Fix(
+    name="ps_variables.distributed_update_step", issue=UPSTREAM_ISSUE,
+    target=lambda: (_optimizer_class(), "_distributed_tf_update_step"),
+    check=_check_update_step, make=_make_distributed_update_step)
+
+
+def _make_weight_decay(original):
+    tf = import_tensorflow()
+
+    def applies(self, variables):
+        return (self.weight_decay is not None and _owned_optimizer(self)
+                and any(is_sharded(v) for v in variables))
+
+    @_patch.passthrough(original, applies)
     def _apply_weight_decay(self, variables):
-        if self.weight_decay is None or not any(is_sharded(v) for v in variables):
-            return original(self, variables)
-        tf = import_tensorflow()
         original(self, [v for v in variables if not is_sharded(v)])
         for variable in variables:
             if is_sharded(variable) and self._use_weight_decay(variable):
@@ -207,55 +305,33 @@ def _patched_apply_weight_decay(original):
                 wd = tf.cast(self.weight_decay, value.dtype)
                 value.assign_sub(tf.convert_to_tensor(value) * wd * lr)
 
-    _apply_weight_decay._tfdist_patched = True
     return _apply_weight_decay
 
 
-def _patched_array(original):
-    @functools.wraps(original)
-    def __array__(self, dtype=None, *args, **kwargs):
-        if not is_sharded(self):
-            return original(self, dtype, *args, **kwargs)
-        import numpy as np
-
-        # ShardedVariable has numpy() (the concatenated shards), no __array__.
-        return np.asarray(self._value.numpy(), dtype=dtype)
-
-    __array__._tfdist_patched = True
-    return __array__
+def _check_weight_decay(original) -> None:
+    _patch.require_signature(original, "variables", what="TFOptimizer._apply_weight_decay")
+    _patch.require_attributes(_optimizer_class(), "_use_weight_decay", "learning_rate",
+                              what="TFOptimizer")
 
 
-def install() -> None:
-    """Installs both fixes (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    tf = import_tensorflow()
-    from keras.src.backend.tensorflow import core
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer
-    from tensorflow.python.eager import backprop
+WEIGHT_DECAY = _patch.Fix(
+    name="ps_variables.weight_decay", issue=UPSTREAM_ISSUE,
+    target=lambda: (_optimizer_class(), "_apply_weight_decay"),
+    check=_check_weight_decay, make=_make_weight_decay)
 
-    cls = tf_optimizer.TFOptimizer
-    for owner, name in ((cls, "add_variable_from_reference"),
-                        (cls, "_distributed_tf_update_step"),
-                        (cls, "_apply_weight_decay"),
-                        (backprop.GradientTape, "gradient")):
-        if not callable(getattr(owner, name, None)):
-            raise RuntimeError(
-                f"{owner.__name__}.{name} is missing in TensorFlow {tf.__version__} / this "
-                "Keras; tfdist.compat.ps_variables needs updating (see tests/test_ps_compat.py)."
-            )
+
+FIXES = (ASSIGN_ADD, ASSIGN_SUB, TAPE_GRADIENT, ARRAY, SLOT_FROM_REFERENCE,
+         DISTRIBUTED_UPDATE_STEP, WEIGHT_DECAY)
+
+
+def install() -> tuple[str, ...]:
+    """Installs every fix above (idempotent); returns the names installed by this call."""
+    from tfdist.compat._versions import check_versions
+
     check_versions(warn=True)
-    # Only while upstream's assign_add is still a read-modify-write.
-    if "assign_add" not in vars(core.Variable) and upstream_assign_add_is_read_modify_write():
-        core.Variable.assign_add = _atomic_update(core.Variable.assign_add, "assign_add")
-        core.Variable.assign_sub = _atomic_update(core.Variable.assign_sub, "assign_sub")
-    backprop.GradientTape.gradient = _patched_gradient(backprop.GradientTape.gradient)
-    # model.save / save_weights convert variables with np.asarray.
-    core.Variable.__array__ = _patched_array(core.Variable.__array__)
-    cls.add_variable_from_reference = _patched_add_variable_from_reference(
-        cls.add_variable_from_reference)
-    cls._distributed_tf_update_step = _patched_distributed_update_step(
-        cls._distributed_tf_update_step)
-    cls._apply_weight_decay = _patched_apply_weight_decay(cls._apply_weight_decay)
-    _installed = True
+    return tuple(fix.name for fix in FIXES if _patch.install(fix))
+
+
+def names() -> tuple[str, ...]:
+    """The names of this module's fixes (for `_patch.uninstall`)."""
+    return tuple(fix.name for fix in FIXES)

@@ -1,0 +1,401 @@
+"""Worker failures under a tfdist ParameterServerStrategy: recover each worker on its own.
+
+Upstream: TensorFlow's ClusterCoordinator (tensorflow/python/distribute/
+coordinator/cluster_coordinator.py, `WorkerPreemptionHandler`) recovers from
+a worker failure by calling `context.update_server_def` with the *whole*
+cluster ("TODO(haoyuzhang): support partial cluster recovery"). That call
+fails or blocks while any worker is down, and every worker thread that saw a
+failure waits for it (up to `_WORKER_MAXIMUM_RECOVERY_SEC`, one hour). So
+when a second worker dies while the first is being restarted (kill worker:1,
+restart it, kill worker:0 while worker:1's replacement is starting), the
+restarted worker:1 is never taken back and the coordinator stalls for an hour
+with only "Cluster update failed ... Retrying" in its log. Verified on
+TF 2.21; no upstream issue found for it.
+
+`install(coordinator)` replaces the coordinator's failure handler (an
+instance attribute of the coordinator's cluster and workers, set for the
+coordinators of strategies tfdist made; TensorFlow's classes are not
+patched) with `PartialRecovery`, which keeps TensorFlow's rules for what a
+worker failure is (`_is_worker_failure`, transient ps and timeout errors),
+but:
+
+* recovers each worker by itself: a recovery thread watches the failed
+  workers' addresses and, when one accepts connections again, updates the
+  coordinator's cluster to the workers that are up (a ServerDef listing only
+  them), so a worker that is still down never blocks one that is back. The
+  update runs with GRPC_FAIL_FAST=true: under TensorFlow's default its
+  GetStatus RPC waits for a listed task that died meanwhile until it
+  returns (verified: blocked > 40 s; with the setting, UnavailableError at
+  once, and the next attempt leaves that worker out). Installing sets
+  GRPC_FAIL_FAST to TensorFlow's default, "use_caller", if it is unset;
+* gives up clearly: when every worker has been down for `all_lost_timeout`
+  seconds (the preset's `connect_timeout`), the scheduled steps fail with
+  `tfdist.ParameterServerError` naming the workers, instead of waiting an
+  hour; a parameter server that is gone during recovery fails them with an
+  UnavailableError (which tfdist reports as a lost parameter server);
+* counts the steps TensorFlow re-runs after a failure (`rerun_count`), which
+  is what lets tfdist report steps whose update landed twice, and flags each
+  re-run (its `first_run_flag()` argument becomes True) so a tfdist train
+  step can check whether its update already landed before applying it.
+
+With TF_PSS_ENABLE_COORDINATION_SERVICE set (TensorFlow's experimental
+handler) nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from tfdist.compat._patch import CompatError, require_attributes, require_signature
+
+logger = logging.getLogger("tfdist")
+
+UPSTREAM = ("tensorflow/python/distribute/coordinator/cluster_coordinator.py "
+            "WorkerPreemptionHandler: 'TODO(haoyuzhang): support partial cluster recovery'")
+
+# How often the recovery thread probes failed workers (seconds).
+POLL_SECONDS = 0.5
+
+_handlers: "weakref.WeakKeyDictionary[Any, PartialRecovery]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _coordinator_module():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+    return cluster_coordinator
+
+
+def check() -> None:
+    """Raises CompatError unless TensorFlow's coordinator is shaped as this module expects."""
+    cc = _coordinator_module()
+    require_attributes(cc, "WorkerPreemptionHandler", "Cluster", "Worker", "Closure",
+                       "ResourceClosure", "ClosureInputError", "ClosureAbortedError",
+                       "_is_worker_failure", what="tensorflow cluster_coordinator")
+    # A re-run's flag is swapped in the closure's arguments (Closure._args).
+    require_signature(cc.Closure.__init__, "function", "cancellation_mgr", "args", "kwargs",
+                      what="ClusterCoordinator Closure")
+    require_signature(cc.WorkerPreemptionHandler.wait_on_failure, "on_failure_fn",
+                      "on_transient_failure_fn", "on_recovery_fn", "worker_device_name",
+                      what="WorkerPreemptionHandler.wait_on_failure")
+    require_attributes(cc.Cluster, "_record_and_ignore_transient_ps_failure",
+                       "_record_and_ignore_transient_timeouts", what="ClusterCoordinator Cluster")
+
+
+def _step_closure_in(fn: Callable | None):
+    """The scheduled step a worker's failure callback `fn` puts back (None for a resource)."""
+    cc = _coordinator_module()
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, cc.Closure) and not isinstance(value, cc.ResourceClosure):
+            return value
+    return None
+
+
+_flags: dict[bool, Any] = {}
+
+
+def first_run_flag():
+    """The argument a step scheduled for the first time gets; a re-run gets True instead.
+
+    tfdist's train steps take it as their last argument, so a step re-run
+    after a worker failure can check whether its update already landed.
+    """
+    if not _flags:
+        from tfdist._tf import import_tensorflow
+
+        tf = import_tensorflow()
+        _flags[False], _flags[True] = tf.constant(False), tf.constant(True)
+    return _flags[False]
+
+
+def _mark_rerun(closure) -> None:
+    """Makes the put-back `closure` a re-run: its first_run flag argument becomes True."""
+    args = getattr(closure, "_args", None)
+    if _flags and isinstance(args, tuple) and any(a is _flags[False] for a in args):
+        closure._args = tuple(_flags[True] if a is _flags[False] else a for a in args)
+
+
+_env_lock = threading.Lock()
+
+
+def keep_fail_fast_setting() -> None:
+    """Makes GRPC_FAIL_FAST an entry of the environment (TensorFlow's default, "use_caller").
+
+    `_fail_fast_rpcs` then only replaces an existing entry while other threads
+    may read the environment (adding one can reallocate it under them).
+    ParameterServerStrategy's own docstring asks coordinators to set this value.
+    """
+    with _env_lock:
+        os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+
+
+@contextlib.contextmanager
+def _fail_fast_rpcs():
+    """GRPC_FAIL_FAST=true around one cluster update (TensorFlow reads it per RPC).
+
+    With TensorFlow's default ("use_caller") the update's first RPC, GetStatus,
+    waits for a task that does not answer until it comes back (RFC
+    tensorflow/community#355): a worker that dies during the update would
+    block recovery for good. Step RPCs are fail-fast under the default
+    already, so only waiting RPCs change, for the length of the update.
+    """
+    with _env_lock:
+        previous = os.environ.get("GRPC_FAIL_FAST")
+        os.environ["GRPC_FAIL_FAST"] = "true"
+    try:
+        yield
+    finally:
+        with _env_lock:
+            if previous is None:
+                os.environ.pop("GRPC_FAIL_FAST", None)
+            else:
+                os.environ["GRPC_FAIL_FAST"] = previous
+
+
+def _worker_index(device_name: str) -> int | None:
+    try:
+        return int(device_name.rsplit("task:", 1)[1].split("/")[0])
+    except (IndexError, ValueError):
+        return None
+
+
+class PartialRecovery:
+    """A ClusterCoordinator failure handler that recovers workers one by one (see module doc).
+
+    Args:
+      cluster: the coordinator's `Cluster`.
+      server_def: the coordinator's ServerDef (the whole cluster).
+      all_lost_timeout: seconds every worker may be down before the steps fail.
+      reachable: `fn(address) -> bool` (a TCP probe).
+      all_lost_error: `fn(message) -> Exception`, the error the steps fail with
+        when every worker stayed down.
+    """
+
+    def __init__(self, cluster, server_def, *, all_lost_timeout: float,
+                 reachable: Callable[[str], bool], all_lost_error: Callable[[str], Exception]):
+        self._cluster = cluster
+        self._all_lost_error = all_lost_error
+        self._server_def = server_def
+        self._all_lost_timeout = all_lost_timeout
+        self._reachable = reachable
+        self._addresses = self._job_addresses(server_def, "worker")
+        self._ps_addresses = self._job_addresses(server_def, "ps")
+        self._cond = threading.Condition()
+        self._down: dict[int, float] = {}  # worker index -> when it failed
+        self._failed_error: Exception | None = None
+        self._running = True
+        self.reruns = 0
+        self._thread = threading.Thread(target=self._recover_loop, name="tfdist-ps-recovery",
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _job_addresses(server_def, name: str) -> dict[int, str]:
+        for job in server_def.cluster.job:
+            if job.name == name:
+                return dict(job.tasks)
+        return {}
+
+    def stop(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+
+    # --- called on the coordinator's worker threads -----------------------------------
+
+    @contextlib.contextmanager
+    def wait_on_failure(self, on_failure_fn=None, on_transient_failure_fn=None,
+                        on_recovery_fn=None, worker_device_name="(unknown)"):
+        cc = _coordinator_module()
+        from tensorflow.python.framework import errors
+
+        try:
+            yield
+        except (errors.OpError, cc.ClosureInputError, cc.ClosureAbortedError, TypeError) as e:
+            # TensorFlow's rules for what is transient and what is a worker failure.
+            transient = (self._cluster._record_and_ignore_transient_ps_failure(e)
+                         or self._cluster._record_and_ignore_transient_timeouts(e)
+                         or (isinstance(e, errors.CancelledError) and "/job:" in str(e)))
+            if transient:
+                logger.debug("tfdist: transient failure on %s: %s", worker_device_name, e)
+                self._rerun(_step_closure_in(on_transient_failure_fn))
+                if on_transient_failure_fn:
+                    on_transient_failure_fn()
+                return
+            if (not cc._is_worker_failure(e)
+                    or self._cluster.closure_queue._cancellation_mgr.is_cancelled):
+                raise
+            index = _worker_index(worker_device_name)
+            if index is None or index not in self._addresses:
+                raise
+            logger.warning("tfdist: worker:%d (%s) failed: %s", index,
+                           self._addresses[index], str(e).strip().splitlines()[0][:200])
+            self._rerun(_step_closure_in(on_failure_fn))
+            if on_failure_fn:
+                on_failure_fn(e)
+            self._wait_until_back(index)
+            logger.warning("tfdist: worker:%d is back; it takes steps again", index)
+            if on_recovery_fn:
+                with self.wait_on_failure(on_recovery_fn=on_recovery_fn,
+                                          on_transient_failure_fn=on_transient_failure_fn,
+                                          worker_device_name=worker_device_name):
+                    on_recovery_fn()
+
+    def _rerun(self, closure) -> None:
+        """Counts a step TensorFlow is about to run again, and flags it as a re-run."""
+        if closure is None:
+            return
+        _mark_rerun(closure)
+        with self._cond:
+            self.reruns += 1
+
+    def _wait_until_back(self, index: int) -> None:
+        with self._cond:
+            self._down.setdefault(index, time.monotonic())
+            self._cond.notify_all()
+            while self._running and index in self._down:
+                self._cond.wait(timeout=1.0)
+
+    # --- the recovery thread ------------------------------------------------------------
+
+    def _recover_loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._down:
+                    self._cond.wait()
+                if not self._running:
+                    return
+                down = dict(self._down)
+            back = {i for i in down if self._reachable(self._addresses[i])}
+            if back:
+                self._update(back, down)
+            else:
+                self._check_all_lost(down)
+            time.sleep(POLL_SECONDS)
+
+    def _server_def_without(self, excluded) -> Any:
+        server_def = type(self._server_def)()
+        server_def.CopyFrom(self._server_def)
+        for job in server_def.cluster.job:
+            if job.name == "worker":
+                for index in excluded:
+                    del job.tasks[index]
+        return server_def
+
+    def _update(self, back: set[int], down: dict[int, float]) -> None:
+        from tensorflow.python.eager import context
+
+        # Leave out every worker that is down or does not answer now: one that
+        # is listed but dead makes the update fail (or, without fail-fast,
+        # block in GetStatus until it returns).
+        still_down = {i for i, address in self._addresses.items()
+                      if i not in back and (i in down or not self._reachable(address))}
+        try:
+            with _fail_fast_rpcs():
+                context.context().update_server_def(self._server_def_without(still_down))
+        except Exception as e:  # noqa: BLE001 (any failure: probe again, decide below)
+            logger.info("tfdist: cluster update (workers back: %s) failed: %s", sorted(back), e)
+            lost_ps = [f"ps:{i} at {a}" for i, a in sorted(self._ps_addresses.items())
+                       if not self._reachable(a)]
+            if lost_ps:
+                self._fail(self._unavailable(
+                    f"parameter server {', '.join(lost_ps)} is unreachable while recovering "
+                    f"worker(s) {sorted(back)}"))
+            return
+        with self._cond:
+            for index in back:
+                self._down.pop(index, None)
+            self._cond.notify_all()
+        logger.info("tfdist: cluster updated; workers back: %s; still down: %s",
+                    sorted(back), sorted(still_down))
+
+    def _check_all_lost(self, down: dict[int, float]) -> None:
+        if len(down) < len(self._addresses):
+            return
+        since = max(down.values())
+        if time.monotonic() - since < self._all_lost_timeout:
+            return
+        queue = self._cluster.closure_queue
+        with queue._queue_lock:
+            # Fail the steps waiting for a worker (each fit that schedules while
+            # every worker is still lost fails at once), never a later fit that
+            # starts after a worker came back.
+            if queue._queue.empty() or queue._error is not None:
+                return
+        listed = ", ".join(f"worker:{i} at {a}" for i, a in sorted(self._addresses.items()))
+        self._fail(self._all_lost_error(
+            f"Every worker has been unreachable for {self._all_lost_timeout:g} s ({listed}): "
+            "nothing can run the scheduled steps. Restart the workers on their addresses "
+            "(they rejoin by themselves) or raise connect_timeout; the variables on the "
+            "parameter servers are intact, so training continues once a worker is back."))
+
+    @staticmethod
+    def _unavailable(message: str) -> Exception:
+        from tensorflow.python.framework import errors
+
+        return errors.UnavailableError(None, None, message)
+
+    def _fail(self, error: Exception) -> None:
+        """Fails the scheduled steps: the coordinator's join()/schedule() raise `error`."""
+        queue = self._cluster.closure_queue
+        with queue._queue_lock:
+            if queue._error is None:
+                queue._error = error
+            queue._stop_waiting_condition.notify_all()
+
+
+def install(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], bool],
+            all_lost_error: Callable[[str], Exception]) -> bool:
+    """Gives `coordinator` (of a strategy tfdist made) the PartialRecovery failure handler.
+
+    Returns:
+      True if installed now, False if it already was (or TensorFlow's
+      coordination-service handler is in use: TF_PSS_ENABLE_COORDINATION_SERVICE).
+
+    Raises:
+      CompatError: TensorFlow's coordinator is not shaped as expected.
+    """
+    check()
+    cc = _coordinator_module()
+    cluster = coordinator._cluster
+    with _lock:
+        if coordinator in _handlers or os.getenv("TF_PSS_ENABLE_COORDINATION_SERVICE"):
+            return False
+        original = cluster.failure_handler
+        if not isinstance(original, cc.WorkerPreemptionHandler):
+            raise CompatError(
+                f"The ClusterCoordinator's failure handler is a {type(original).__name__}, "
+                "not TensorFlow's WorkerPreemptionHandler: tfdist's worker recovery was "
+                "written for that one.")
+        queue = cluster.closure_queue
+        require_attributes(queue, "_queue", "_queue_lock", "_stop_waiting_condition", "_error",
+                           "_cancellation_mgr", what="ClusterCoordinator closure queue")
+        keep_fail_fast_setting()
+        handler = PartialRecovery(cluster, original._server_def,
+                                  all_lost_timeout=all_lost_timeout, reachable=reachable,
+                                  all_lost_error=all_lost_error)
+        original.stop()  # its thread exits; ours handles failures from now on
+        cluster.failure_handler = handler
+        for worker in cluster.workers:
+            worker.failure_handler = handler
+        _handlers[coordinator] = handler
+        return True
+
+
+def rerun_count(coordinator) -> int:
+    """Steps re-run after worker failures on `coordinator` so far (0 without PartialRecovery)."""
+    handler = _handlers.get(coordinator)
+    return handler.reruns if handler is not None else 0
