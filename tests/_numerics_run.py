@@ -353,6 +353,52 @@ def worker(out: str) -> dict:
     return results
 
 
+# --- parameter_server (an in-process cluster: needs a process of its own) -----------------
+
+
+def parameter_server() -> dict:
+    """BN under parameter_server with 1 worker vs one device on the same batches.
+
+    Each PS worker step runs the whole global batch on one replica, so batch
+    statistics are global-batch statistics already, and the moving statistics
+    are single variables on a parameter server (no replica copies to drift).
+    With several workers, their asynchronous updates interleave like every
+    other PS variable's (last writer wins on each assignment).
+    """
+    import tfdist
+
+    results: dict = {}
+    try:
+        tfdist.make_options("parameter_server", sync_batch_norm=True)
+    except ValueError as e:
+        results["sync_option_error"] = str(e)
+    strategy = tfdist.make_strategy("parameter_server", local_workers=1, local_ps=1)
+    import keras
+    import tensorflow as tf
+
+    x, y = dense_data()
+
+    def fit(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = bn_mlp()
+            model.set_weights(initial)
+            model.compile(keras.optimizers.SGD(0.05), "mse")
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).repeat()
+        model.fit(data, epochs=1, steps_per_epoch=STEPS, verbose=0)
+        return model
+
+    initial = _initial_weights(bn_mlp)
+    model = fit(strategy)
+    reference = fit(tf.distribute.get_strategy())
+    bn = model.layers[1]
+    results["moving_mean_type"] = type(bn.moving_mean.value).__name__
+    results["moving_mean_device"] = bn.moving_mean.value.device
+    results["ps_vs_one_device"] = max_difference(model, reference)
+    results["moving_mean_moved"] = float(abs(reference.layers[1].moving_mean.numpy()).max())
+    return results
+
+
 def _compiled(model):
     import keras
 
@@ -362,10 +408,13 @@ def _compiled(model):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["mirrored", "worker"])
+    parser.add_argument("mode", choices=["mirrored", "worker", "parameter_server"])
     parser.add_argument("--out", help="worker mode: where each task writes its files")
     args = parser.parse_args()
-    results = mirrored() if args.mode == "mirrored" else worker(args.out)
+    if args.mode == "worker":
+        results = worker(args.out)
+    else:
+        results = {"mirrored": mirrored, "parameter_server": parameter_server}[args.mode]()
     print("RESULTS " + json.dumps(results))
 
 
