@@ -34,9 +34,13 @@ def _results(proc) -> dict:
     return json.loads(match.group(1))
 
 
+# Generous bounds: ~2.5 min of CPU on 2 quiet cores, far more on a loaded machine.
+pytestmark = pytest.mark.timeout(1500)
+
+
 @pytest.fixture(scope="module")
 def mirrored():
-    return _results(run_python(RUN, "mirrored", timeout=900))
+    return _results(run_python(RUN, "mirrored", timeout=1400))
 
 
 # --- options and the public API (no TensorFlow patches in this process) --------------------
@@ -78,8 +82,9 @@ def test_fixes_are_installed_by_make_strategy(mirrored):
 
 
 def test_bn_replica_copies_stay_identical(mirrored):
-    # Dense -> BN -> Dense, a conv net, MobileNetV3Small: every variable's 2 copies equal.
-    for key in ("bn_default_spread", "conv_default_spread", "mobilenet_default_spread"):
+    # Dense -> BN -> Dense and a conv net (MobileNetV3Small and ResNet50 below): every
+    # variable's 2 copies equal.
+    for key in ("bn_default_spread", "conv_default_spread"):
         assert mirrored[key] <= 1e-6, (key, mirrored[key])
     # predict/evaluate under the strategy = a plain model holding the saved weights.
     assert mirrored["bn_default_predict_vs_saved_weights"] <= 1e-6
@@ -101,8 +106,8 @@ def test_sync_batch_norm_equals_one_device(mirrored, name):
     assert mirrored[f"{name}_sync_spread"] <= 1e-6
 
 
-def test_without_sync_batch_norm_mobilenet_differs_from_one_device(mirrored):
-    assert mirrored["mobilenet_default_vs_one_device"] > 1e-3
+def test_without_sync_batch_norm_conv_bn_differs_from_one_device(mirrored):
+    assert mirrored["conv_default_vs_one_device"] > 1e-3
 
 
 # --- §2 sparse gradients under mirrored ---------------------------------------------------
