@@ -341,9 +341,11 @@ def worker(out: str) -> dict:
         summed = train(one, embedding_model, tokens, optimizer=opt, lr=0.1, summed=True,
                        weights=initial)
         results[f"{opt}_workers_vs_summed"] = max_difference(distributed, summed)
-    # Negative control: without the fix each worker keeps its own statistics.
+    # Negative control: per-worker statistics (sync off) without the fix: each worker
+    # keeps its own moving statistics.
     from tfdist.compat import _patch
 
+    batch_norm.configure(strategy, sync_batch_norm=False)
     _patch.uninstall([batch_norm.REPLICA_STATE_FIX.name])
     train(strategy, bn_mlp, dense).save(os.path.join(out, f"bn_unfixed_{task}.keras"))
     batch_norm.install()
