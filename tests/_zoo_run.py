@@ -137,6 +137,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default="", help="comma-separated names (default: all)")
     parser.add_argument("--measure", default="sgd,adam", help="sgd, adam or both")
+    parser.add_argument("--moe_aux_loss_zero", action="store_true",
+                        help="MoE families with their load-balancing loss coefficient at 0")
     parser.add_argument("--unfixed", action="store_true",
                         help="uninstall tfdist's optimizer-update and BatchNorm fixes")
     args = parser.parse_args()
@@ -159,7 +161,10 @@ def main():
     for name in names:
         start = time.perf_counter()
         try:
-            row = measure(zoo.FAMILIES[name], one, mirrored, synced, unfixed=args.unfixed,
+            family = zoo.FAMILIES[name]
+            if args.moe_aux_loss_zero and name in zoo.MOE_AUX_LOSS_ARGUMENT:
+                family = family.with_config(**{zoo.MOE_AUX_LOSS_ARGUMENT[name]: 0.0})
+            row = measure(family, one, mirrored, synced, unfixed=args.unfixed,
                           measures=tuple(args.measure.split(",")))
         except Exception as e:  # a family that fails is counted, not fatal
             row = {"family": name, "error": f"{type(e).__name__}: {e}"[:300]}

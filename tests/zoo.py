@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, Callable
 
 import keras
 
@@ -58,16 +57,26 @@ class Family:
     Attributes:
       name: the KerasHub backbone class without "Backbone" (e.g. "GPT2").
       kind: "text", "seq2seq", "audio" or "image".
-      backbone: builds the tiny backbone (random weights).
+      config: the tiny constructor arguments (vary one with `with_config`).
       tags: see the module docstring.
       note: what a reader of a count needs to know about this family.
     """
 
     name: str
     kind: str
-    backbone: Callable[[], Any]
+    config: dict
     tags: frozenset = frozenset()
     note: str = ""
+
+    def backbone(self):
+        """The tiny KerasHub backbone (random weights, no download)."""
+        import keras_hub
+
+        return getattr(keras_hub.models, f"{self.name}Backbone")(**self.config)
+
+    def with_config(self, **changes) -> "Family":
+        """This family with some constructor arguments changed (e.g. an MoE loss at 0)."""
+        return dataclasses.replace(self, config={**self.config, **changes})
 
     def build(self, *, seed: int = 0):
         """The backbone nested in a Functional model with a small Dense head.
@@ -161,13 +170,9 @@ class PoolToFeatures(keras.layers.Layer):
 
 # --- the families -----------------------------------------------------------------
 
-def _hub(name: str, **kwargs):
-    def build():
-        import keras_hub
-
-        return getattr(keras_hub.models, f"{name}Backbone")(**kwargs)
-
-    return build
+def _hub(name: str, **kwargs) -> dict:
+    del name  # the family's name is the backbone's
+    return kwargs
 
 
 _TEXT = dict(vocabulary_size=VOCAB, num_layers=1, hidden_dim=16, intermediate_dim=32)
@@ -310,6 +315,12 @@ _FAMILY_LIST = [
 ]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILY_LIST}
+
+# The constructor argument holding each MoE family's load-balancing loss coefficient
+# (GptOss's backbone adds none).
+MOE_AUX_LOSS_ARGUMENT = {"Mixtral": "router_aux_loss_coef",
+                         "QwenMoe": "router_aux_loss_coefficient",
+                         "Qwen3Moe": "router_aux_loss_coefficient"}
 
 
 def families(*, tags: set[str] | frozenset | None = None, exclude: set[str] | frozenset = frozenset()
