@@ -221,6 +221,14 @@ def mirrored() -> dict:
     images = image_data()
     results["conv_default_spread"] = tfdist.replica_spread(
         train(tfdist_default, conv_bn, images, lr=0.01))
+    # mixed_float16: Keras's LossScaleOptimizer assigns its loss scale inside a tf.cond
+    # in replica context, where no cross-replica sync is allowed: it must still train.
+    keras.config.set_dtype_policy("mixed_float16")
+    mixed = train(tfdist_default, bn_mlp, dense, optimizer="adam", lr=1e-3)
+    keras.config.set_dtype_policy("float32")
+    results["mixed_float16_optimizer"] = type(mixed.optimizer).__name__
+    results["mixed_float16_spread"] = max(tfdist.replica_spread(mixed),
+                                          tfdist.replica_spread(mixed.optimizer.variables))
     _lap(results, "bn_default")
 
     # §1 sync_batch_norm = one device with the same global batch.

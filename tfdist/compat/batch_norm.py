@@ -103,16 +103,36 @@ def _tf():
 
 
 def _replica_context_of_owned_strategy():
-    """The replica context if we are in one of a tfdist strategy with >1 replica, else None."""
+    """The replica context of a tfdist strategy with >1 replica where replicas can sync, or None.
+
+    None also inside a `tf.cond` / `tf.while_loop` branch opened in a
+    MirroredStrategy replica function: TensorFlow allows no cross-replica
+    `merge_call` there (Keras's LossScaleOptimizer updates its loss scale in
+    such a branch). Assignments there keep Keras's per-replica behaviour.
+    """
     tf = _tf()
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
     context = tf.distribute.get_replica_context()
     if context is None or not _owner.owns(context.strategy):
         return None
-    if context.num_replicas_in_sync <= 1:
+    if context.num_replicas_in_sync <= 1 or not _can_sync_here(context):
         return None
     return context
+
+
+def _can_sync_here(context) -> bool:
+    """Whether `context.all_reduce` may run here (mirrors TensorFlow's merge_call check)."""
+    if not context.strategy.extended._use_merge_call():  # collectives without merge_call
+        return True
+    import threading
+
+    from tensorflow.python.framework import ops
+
+    # MirroredStrategy runs each replica in a thread that records the graph it traces
+    # into; merge_call raises when the default graph is another (a control-flow branch).
+    replica_graph = getattr(threading.current_thread(), "graph", None)
+    return replica_graph is None or ops.get_default_graph() is replica_graph
 
 
 # --- fix 1: replica-updated variables are averaged at each assignment ------------------
@@ -135,8 +155,19 @@ def _assign_target():
     return core.Variable, "_direct_assign"
 
 
+def _check_sync_points() -> None:
+    from tensorflow.python.distribute import mirrored_run, mirrored_strategy
+
+    _patch.require_attributes(mirrored_strategy.MirroredExtended, "_use_merge_call",
+                              what="MirroredStrategy's extended")
+    _patch.require_attributes(mirrored_run, "_MirroredReplicaThread",
+                              what="tensorflow.python.distribute.mirrored_run")
+
+
 def _assign_check(original) -> None:
     from keras.src.backend.tensorflow import core
+
+    _check_sync_points()
 
     _patch.require_signature(original, "value", what="keras TF Variable._direct_assign")
     # assign/assign_add/assign_sub all end in _direct_assign (tests/test_batch_norm.py
@@ -222,6 +253,7 @@ def _moments_target():
 def _moments_check(original) -> None:
     from keras.src.layers.normalization import batch_normalization
 
+    _check_sync_points()
     _patch.require_signature(original, "inputs", "mask", what="BatchNormalization._moments")
     # What the replacement reads from the layer (set in __init__ / build).
     layer = batch_normalization.BatchNormalization()
