@@ -114,7 +114,9 @@ def test_sync_batch_norm_equals_one_device(mirrored, name):
 
 
 def test_without_sync_batch_norm_conv_bn_differs_from_one_device(mirrored):
-    assert mirrored["conv_default_vs_one_device"] > 1e-3
+    # Per-replica statistics: 1.1e-4 off after 2 steps at lr 0.01 (with sync: 1.5e-8), so
+    # the 1e-5 equality above is something the default mode does not meet.
+    assert mirrored["conv_default_vs_one_device"] > 1e-5
 
 
 # --- §2 sparse gradients under mirrored ---------------------------------------------------
