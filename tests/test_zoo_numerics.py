@@ -5,7 +5,7 @@ decoder LLM with token and position embeddings (GPT2) and a BatchNorm CNN
 (ResNet). Reference: one device, the same initial weights, 3 steps at global
 batch 8; SGD over every variable (<= 1e-5), Adam against one device on summed
 sparse gradients judged on the embedding tables (<= 1e-4). The whole zoo:
-`python tests/_zoo_run.py` (counts in docs/numerics.md's closing note).
+`python tests/_zoo_run.py` (counts in docs/numerics.md).
 """
 
 from __future__ import annotations
