@@ -313,8 +313,9 @@ def _initial_weights(build, seed=1):
 def worker(out: str) -> dict:
     """Trains under multi_worker_mirrored, then the single-device references; writes to `out`.
 
-    Files: bn_default_<task>.keras (a saved model per worker, compared by the
-    test), and results_<task>.json with this task's measurements.
+    Files: bn_default_<task>.npz / bn_unfixed_<task>.npz (each worker's
+    weights), bn_default.keras (the saved model; every worker saves to that one
+    path), and results_<task>.json with this task's measurements.
     """
     import tfdist
 
@@ -327,7 +328,10 @@ def worker(out: str) -> dict:
     dense, images, tokens = dense_data(), image_data(n=GLOBAL_BATCH), token_data()
 
     model = train(strategy, bn_mlp, dense)
-    model.save(os.path.join(out, f"bn_default_{task}.keras"))
+    # What each worker holds, and the saved model (one path on every worker, as users
+    # write it: tfdist keeps the chief's file; see tfdist/chief.py).
+    _save_weights(model, os.path.join(out, f"bn_default_{task}.npz"))
+    model.save(os.path.join(out, "bn_default.keras"))
     results["bn_default_spread"] = tfdist.replica_spread(model)
 
     # A process can hold one MultiWorkerMirroredStrategy: switch the same one to global
@@ -355,7 +359,7 @@ def worker(out: str) -> dict:
 
     batch_norm.configure(strategy, sync_batch_norm=False)
     _patch.uninstall([batch_norm.REPLICA_STATE_FIX.name])
-    train(strategy, bn_mlp, dense).save(os.path.join(out, f"bn_unfixed_{task}.keras"))
+    _save_weights(train(strategy, bn_mlp, dense), os.path.join(out, f"bn_unfixed_{task}.npz"))
     batch_norm.install()
     with open(os.path.join(out, f"results_{task}.json"), "w") as f:
         json.dump(results, f)
@@ -406,6 +410,12 @@ def parameter_server() -> dict:
     results["ps_vs_one_device"] = max_difference(model, reference)
     results["moving_mean_moved"] = float(abs(reference.layers[1].moving_mean.numpy()).max())
     return results
+
+
+def _save_weights(model, path):
+    import numpy as np
+
+    np.savez(path, *model.get_weights())
 
 
 def _compiled(model):
