@@ -90,6 +90,9 @@ _EXPORTS = {
     "AutoOptions": "tfdist.config",
     "choose_preset": "tfdist.strategies",
     "ThroughputMonitor": "tfdist.callbacks",
+    # training like one device (docs/numerics.md)
+    "sum_duplicate_sparse_gradients": "tfdist.numerics",
+    "replica_spread": "tfdist.numerics",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

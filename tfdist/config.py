@@ -45,6 +45,11 @@ def check_device_name(device: str, *, what: str = "device") -> str:
     return device.strip()
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False. Received: {name}={value!r}")
+
+
 def _check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -113,6 +118,11 @@ class MirroredOptions(PresetOptions):
         is a collective ring all-reduce; "reduction_to_one_device" sums on one
         device and broadcasts back (a central reducer); "hierarchical_copy"
         and "nccl" are GPU algorithms ("nccl" needs GPUs).
+      sync_batch_norm: compute BatchNormalization's batch mean and variance
+        over the global batch (every replica's slice; two small all-reduces
+        per BN layer per step) instead of each replica's own slice. Either
+        way the moving statistics stay identical on every replica. See
+        docs/numerics.md.
     """
 
     preset: ClassVar[str] = "mirrored"
@@ -126,8 +136,13 @@ class MirroredOptions(PresetOptions):
         "help": "mirrored: gradient reduction. auto (TF picks), ring (collective ring "
                 "all-reduce), reduction_to_one_device (central reducer), hierarchical_copy, "
                 "nccl (GPUs only)."})
+    sync_batch_norm: bool = dataclasses.field(default=False, metadata={
+        "help": "mirrored, multi_worker_mirrored: BatchNormalization statistics over the "
+                "global batch (two all-reduces per BN layer per step) instead of each "
+                "replica's slice."})
 
     def __post_init__(self):
+        _check_bool("sync_batch_norm", self.sync_batch_norm)
         if self.devices is not None:
             if isinstance(self.devices, str):
                 devices = tuple(d for d in self.devices.split(",") if d.strip())
@@ -214,6 +229,8 @@ class MultiWorkerMirroredOptions(PresetOptions):
       join_timeout: seconds to wait for every task to join when the strategy
         is created. TensorFlow waits forever; tfdist stops the process with an
         error naming the tasks that never joined.
+      sync_batch_norm: as for `MirroredOptions`: BatchNormalization statistics
+        over the global batch of all workers.
     """
 
     preset: ClassVar[str] = "multi_worker_mirrored"
@@ -229,8 +246,13 @@ class MultiWorkerMirroredOptions(PresetOptions):
     join_timeout: float = dataclasses.field(default=120.0, metadata={
         "help": "multi_worker_mirrored: seconds to wait for every task to join before "
                 "failing with the names of the missing tasks."})
+    sync_batch_norm: bool = dataclasses.field(default=False, metadata={
+        "help": "mirrored, multi_worker_mirrored: BatchNormalization statistics over the "
+                "global batch (two all-reduces per BN layer per step) instead of each "
+                "replica's slice."})
 
     def __post_init__(self):
+        _check_bool("sync_batch_norm", self.sync_batch_norm)
         if self.communication not in COMMUNICATION_IMPLEMENTATIONS:
             raise ValueError(
                 f"communication must be one of {', '.join(COMMUNICATION_IMPLEMENTATIONS)}. "

@@ -129,6 +129,12 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         from tfdist.compat import optimizer_update
 
         optimizer_update.install()
+        from tfdist.compat import batch_norm
+
+        # Replica copies of BN statistics stay equal under every tfdist strategy ("auto"
+        # too); global-batch statistics where the preset's options ask for them.
+        batch_norm.configure(strategy,
+                             sync_batch_norm=getattr(opts, "sync_batch_norm", False))
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 

@@ -14,13 +14,18 @@ MirroredStrategy, the default strategy) run Keras's code unchanged.
 
 The default `GradientSync` fixes one upstream bug on the way (no upstream
 issue yet; introduced with sparse optimizer support in keras-team/keras#18692;
-minimal reproduction in docs/compat.md for an upstream report): Keras's TF-backend
+minimal reproduction in docs/numerics.md for an upstream report): Keras's TF-backend
 optimizers update an `IndexedSlices` gradient one slice at a time, so an index
 that appears twice gets Adam's second moment g1^2 + g2^2 instead of
 (g1 + g2)^2; and a cross-replica all-reduce of `IndexedSlices` concatenates
 the replicas' slices, so every index a batch touches is duplicated across
-replicas. TensorFlow's own optimizers and tf_keras sum duplicate indices
-first (`_deduplicate_indexed_slices`); so does tfdist, after the all-reduce.
+replicas (TensorFlow's CollectiveAllReduce, MirroredStrategy's and
+MultiWorkerMirroredStrategy's default on CPUs, all-gathers the slices;
+ReductionToOneDevice concatenates them). TensorFlow's own optimizers and
+tf_keras sum duplicate indices first (`_deduplicate_indexed_slices`); so
+does tfdist, after the all-reduce. Gradients that arrive dense (an embedding
+tied to an output layer) are left alone. The public single-device opt-in is
+`tfdist.sum_duplicate_sparse_gradients(optimizer)` (tfdist/numerics.py).
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ def opt_in(optimizer: Any) -> Any:
 
     Strategies tfdist made do this already; this is the explicit opt-in for an
     optimizer used without one (plain single-device Keras keeps Keras's
-    behaviour unless asked).
+    behaviour unless asked). Users call `tfdist.sum_duplicate_sparse_gradients`,
+    which validates its argument and includes a LossScaleOptimizer's inner one.
     """
     install()
     with _lock:
@@ -101,7 +107,11 @@ def gradient_sync(strategy: Any, optimizer: Any = None) -> GradientSync | None:
 
 
 def sum_duplicate_indices(gradient: Any) -> Any:
-    """An IndexedSlices gradient with each index once (its slices summed); others unchanged."""
+    """An IndexedSlices gradient with each index once (its slices summed); others unchanged.
+
+    Any value dtype (float16/bfloat16 are summed in their own dtype, as
+    TensorFlow's optimizers do) and int32/int64 indices; `dense_shape` is kept.
+    """
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
