@@ -257,7 +257,7 @@ def _micro_batches(stages: int, batch: int) -> int:
 def plan(model: Any = None, *, global_batch_size: int,
          machine: cost.Machine | cost.Cluster | None = None,
          optimizer: Any = None, stats: cost.ModelStats | None = None,
-         num_ps: int | None = None) -> Plan:
+         num_ps: int | None = None, input_shapes: Any = None) -> Plan:
     """Costs every strategy for `model` on `machine` and recommends one.
 
     Args:
@@ -292,7 +292,7 @@ def plan(model: Any = None, *, global_batch_size: int,
         if model is None:
             raise ValueError("plan() needs a model: pass a built keras.Model or "
                              "stats=tfdist.cost.ModelStats.from_param_count(num_params).")
-        stats = cost.model_stats(model)
+        stats = cost.model_stats(model, input_shapes=input_shapes)
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
             or global_batch_size < 1:
         raise ValueError(f"global_batch_size must be an integer >= 1. "

@@ -166,7 +166,8 @@ def _spec(kt) -> tuple:
 def _call_inputs(sub, node: keras_graph.GraphNode) -> list:
     """The KerasTensors a nested model call feeds to the sub-model's inputs, in order."""
     extra = sorted(k for k in node.kwargs if k not in ("training", "mask"))
-    if not node.args or extra or node.kwargs.get("mask") is not None:
+    masks = [m for m in keras.tree.flatten(node.kwargs.get("mask")) if m is not None]
+    if not node.args or extra or masks:
         raise ValueError(
             f"Nested model {sub.name!r} is called with arguments tfdist cannot map onto its "
             f"inputs (keyword arguments {extra or list(node.kwargs)}). Call it as "
@@ -455,7 +456,8 @@ def assign_stages(graph: LayerGraph, plan: plan_lib.Plan) -> dict[int, int]:
 def cut_into_stages(graph: LayerGraph, plan: plan_lib.Plan) -> tuple[list[Stage], list[Cut]]:
     """Cuts the flattened graph into the plan's stages."""
     stage_of = assign_stages(graph, plan)
-    producer: dict[Key, tuple[int, str]] = {k: (-1, "input") for k in graph.input_keys}
+    producer: dict[Key, tuple[int, str]] = {
+        k: (-1, f"input {name}") for k, (name, _, _) in zip(graph.input_keys, graph.input_specs)}
     specs: dict[Key, tuple] = {k: (shape, dtype) for k, (_, shape, dtype)
                                in zip(graph.input_keys, graph.input_specs)}
     consumers: dict[Key, set[int]] = {}
