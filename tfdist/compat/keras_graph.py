@@ -130,3 +130,18 @@ def move_variable(variable, device: str, *, strategy=None) -> None:
         with place:
             variable._value = None
             variable._initialize(lambda: tf.identity(value))
+
+
+def call_losses(layer) -> list:
+    """Losses `add_loss` recorded during the last call of `layer` and its sub-layers."""
+    _require(layer, ("_get_own_losses", "_flatten_layers"), "keras Layer")
+    losses = list(layer._get_own_losses())
+    for sub in layer._flatten_layers(include_self=False):
+        losses.extend(sub._get_own_losses())
+    return losses
+
+
+def regularization_losses(layer) -> list:
+    """The weight regularizers' penalties of `layer`'s trainable weights."""
+    _require(layer, ("_get_regularization_losses",), "keras Layer")
+    return list(layer._get_regularization_losses())

@@ -190,6 +190,20 @@ class SplitModel(keras.Model):
                 outs = [o[:n] for o in outs]
             return outs
 
+    @property
+    def losses(self):
+        """`add_loss` losses averaged over the micro-batches, plus weight penalties.
+
+        Each micro-batch's forward adds its own losses (a mixture of experts'
+        load-balancing loss, activity regularizers), so their mean over the M
+        micro-batches stands for the batch's (equal to it when the loss is
+        linear in the batch; a load-balancing loss is not exactly).
+        """
+        per_call = keras_graph.call_losses(self)
+        if self.micro_batches > 1:
+            per_call = [loss / self.micro_batches for loss in per_call]
+        return per_call + keras_graph.regularization_losses(self)
+
     # --- training ---------------------------------------------------------------------------
     def compile(self, *args, **kwargs):
         if self.strategy is not None:
