@@ -74,11 +74,16 @@ class Node:
         return self.layer or getattr(self.operation, "name", type(self.operation).__name__)
 
     def call(self, values: dict, training=None):
-        """Runs the node on `values` (key -> tensor) and stores its outputs there."""
+        """Runs the node on `values` (key -> tensor) and stores its outputs there.
+
+        `training` follows Keras's Functional: the outer call's value, when
+        given, overrides what the graph recorded (even a nested model's
+        `training=False`); without it, the recorded value applies.
+        """
         args, kwargs = _fill(self.args, values), _fill(self.kwargs, values)
-        forced = self.training if self.training is not None else None
-        if forced is not None and "training" in keras_graph.call_context_args(self.operation):
-            kwargs["training"] = forced
+        effective = training if training is not None else self.training
+        if effective is not None and "training" in keras_graph.call_context_args(self.operation):
+            kwargs["training"] = effective
         outputs = self.operation(*args, **kwargs)
         for key, value in zip(self.output_keys, keras.tree.flatten(outputs)):
             values[key] = value

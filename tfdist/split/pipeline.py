@@ -418,7 +418,7 @@ def split_model(model, *, devices: Sequence[str] | None = None,
     if devices is None:
         devices = list(plan.devices)
     if replicas == 1:
-        outside = [d for d in plan.devices if d not in devices]
+        outside = [d for d in stage_devices if d not in devices]
         if outside:
             raise ValueError(
                 f"The plan uses devices {outside} that devices= does not list ({devices}). "
