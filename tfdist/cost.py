@@ -585,7 +585,7 @@ def replica_memory(stats: ModelStats, *, per_replica_batch_size: int,
     Args:
       stats: the model (`model_stats(model)` or `ModelStats.from_param_count`).
       per_replica_batch_size: examples each replica processes per step.
-      optimizer: an `OptimizerState` or an optimizer name.
+      optimizer: an `OptimizerState`, an optimizer name or a Keras optimizer.
       state_shards: divide gradients and optimizer slots over this many
         devices (ZeRO stage 2 style; 1 = plain data parallelism).
       stages: pipeline stages the model is split into (balanced); each device
@@ -597,8 +597,8 @@ def replica_memory(stats: ModelStats, *, per_replica_batch_size: int,
     _check_positive("per_replica_batch_size", per_replica_batch_size, integer=True)
     _check_positive("state_shards", state_shards, integer=True)
     _check_positive("stages", stages, integer=True)
-    if isinstance(optimizer, str):
-        optimizer = optimizer_state(optimizer)
+    if not isinstance(optimizer, OptimizerState):
+        optimizer = optimizer_state(optimizer)  # a name or a Keras optimizer
     slots = optimizer.slots_per_variable * stats.trainable_bytes
     return MemoryEstimate(
         parameters=math.ceil(stats.trainable_bytes / stages),
