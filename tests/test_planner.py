@@ -269,6 +269,40 @@ def test_cli_reads_an_example_model():
     assert data["recommended"] == "mirrored"
 
 
+USER_MODELS = """
+import keras
+
+def gpt():
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    x = keras.layers.Embedding(100, 16)(ids)
+    x = x + keras.layers.MultiHeadAttention(2, 8)(x, x)
+    return keras.Model(ids, keras.layers.Dense(100)(x))
+"""
+
+
+def test_cli_takes_the_users_own_models(tmp_path):
+    (tmp_path / "user_models.py").write_text(USER_MODELS)
+    hardware = ["--devices=2", "--device_memory=1GB", "--bandwidth=10GB/s", "--format=json"]
+    env = {"PYTHONPATH": str(tmp_path)}
+    text = _cli("--model=user_models:gpt", *hardware, env=env)
+    assert text.returncode == 2 and "Pass input_shapes={'token_ids': (128,)}" in text.stderr
+    short = _cli("--model=user_models:gpt", "--input_shape=token_ids:8", *hardware, env=env)
+    long = _cli("--model=user_models:gpt", "--input_shape=16", *hardware, env=env)
+    assert short.returncode == 0 and long.returncode == 0, short.stderr + long.stderr
+    f_short = json.loads(short.stdout)["model"]["forward_flops_per_example"]
+    f_long = json.loads(long.stdout)["model"]["forward_flops_per_example"]
+    assert 2.0 < f_long / f_short < 2.3  # 16 tokens: twice the position-wise work, more attention
+    saved = tmp_path / "m.keras"
+    run_python("-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import user_models; "
+                     f"user_models.gpt().save({str(saved)!r})", timeout=100)
+    from_file = _cli(f"--model={saved}", "--input_shape=token_ids:8", *hardware)
+    assert from_file.returncode == 0, from_file.stderr
+    assert json.loads(from_file.stdout)["model"]["forward_flops_per_example"] == f_short
+    app = _cli("--model=MobileNetV3Small", "--input_shape=32,32,3", "--num_classes=4", *hardware)
+    assert app.returncode == 0, app.stderr
+    assert json.loads(app.stdout)["model"]["num_params"] > 400_000
+
+
 @pytest.mark.parametrize("args, message", [
     (["--params=1e6", "--cluster={\"machines\": 2, devices}"],
      "--cluster is not valid JSON (Expecting property name enclosed in double quotes"),
@@ -286,7 +320,15 @@ def test_cli_reads_an_example_model():
     (["--params=lots", "--devices=1", "--device_memory=1GB"],
      "params must be a positive number such as 7e9"),
     ([], "Pass exactly one of --model=NAME (from models/) or --params=N."),
-    (["--model=resnet"], "Unknown model 'resnet'. Valid models: mlp, cnn, transformer."),
+    (["--model=resnet"], "Unknown model 'resnet'. Give an example model (mlp, cnn, transformer)"),
+    (["--params=1e6", "--devices=2", "--device_memory=1e400GB", "--bandwidth=1GB/s"],
+     "device_memory must be a finite number such as 80GB; '1e400GB' is too large"),
+    (["--params=1e400"], "params must be a finite number"),
+    (["--model=missing.keras"], "--model=missing.keras: no such file"),
+    (["--model=os:getcwd"], "--model=os:getcwd gave str, not a keras.Model"),
+    (["--model=no_such_module_x:build"], "cannot import module 'no_such_module_x'"),
+    (["--model=mlp", "--input_shape=ids:0"], "input_shape per input must be name:dims"),
+    (["--params=10", "--input_shape=8"], "--input_shape goes with --model"),
     (["--model=mlp", "--input_shape=28,x"], "input_shape must be positive integers"),
     (["--model=mlp", "--params=10"], "Pass exactly one of --model=NAME"),
 ])

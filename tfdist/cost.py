@@ -71,9 +71,17 @@ def parse_bytes(text: str | float | int, *, what: str = "memory") -> int:
                 f"{what} must be a size such as 80GB, 16GiB or 512MB. Received: {what}={text!r}"
             )
         value = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
-    if not math.isfinite(value) or value <= 0:
+    _check_finite(what, value, text, example="80GB")
+    if value <= 0:
         raise ValueError(f"{what} must be > 0. Received: {what}={text!r}")
     return int(value)
+
+
+def _check_finite(what: str, value: float, text: Any, *, example: str) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number such as {example}; {text!r} is "
+                         f"{'not a number' if math.isnan(value) else 'too large to represent'}."
+                         f" Received: {what}={text!r}")
 
 
 def parse_bandwidth(text: str | float | int, *, what: str = "bandwidth") -> float:
@@ -99,7 +107,8 @@ def parse_bandwidth(text: str | float | int, *, what: str = "bandwidth") -> floa
         bits = unit in ("bps", "b/s", "bit/s")
         value = float(match.group(1)) * _RATE_PREFIX[match.group(2).lower()]
         value = value / 8 if bits else value
-    if not math.isfinite(value) or value <= 0:
+    _check_finite(what, value, text, example="25Gbps")
+    if value <= 0:
         raise ValueError(f"{what} must be > 0. Received: {what}={text!r}")
     return value
 
@@ -119,7 +128,8 @@ def parse_duration(text: str | float | int, *, what: str = "latency") -> float:
                 f"{what} must be a duration such as 5us, 0.2ms or 1e-5s. Received: {what}={text!r}"
             )
         value = float(match.group(1)) * _TIME_UNITS[match.group(2) or "s"]
-    if not math.isfinite(value) or value < 0:
+    _check_finite(what, value, text, example="5us")
+    if value < 0:
         raise ValueError(f"{what} must be >= 0. Received: {what}={text!r}")
     return value
 
