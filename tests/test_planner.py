@@ -198,12 +198,24 @@ def test_choose_preset_rejects_a_broken_tf_config():
 
 def test_auto_on_this_machine_is_default_and_logs_why(caplog, monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with caplog.at_level(logging.INFO, logger="tfdist"):
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
         strategy = tfdist.make_strategy("auto")
     import tensorflow as tf
 
     assert strategy is tf.distribute.get_strategy()
-    assert "auto chose preset 'default' because no TF_CONFIG cluster and no GPU" in caplog.text
+    records = [r for r in caplog.records if "auto chose" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING  # seen by default
+    assert records[0].getMessage() == ("auto chose preset 'default' because no TF_CONFIG "
+                                       "cluster and no GPU: nothing to distribute over.")
+
+
+def test_auto_says_what_it_chose_without_any_logging_setup():
+    result = run_python("-c", "import tfdist; tfdist.make_strategy('auto')", timeout=100,
+                        env={"TF_CONFIG": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [l for l in result.stderr.splitlines() if "auto chose" in l]
+    assert lines == ["auto chose preset 'default' because no TF_CONFIG cluster and no GPU: "
+                     "nothing to distribute over."], result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("roles, preset", [
