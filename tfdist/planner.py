@@ -190,12 +190,17 @@ def _stage_partition(stats: cost.ModelStats, stages: int, *, batch: int,
                      ) -> tuple[tuple[int, ...], cost.MemoryEstimate] | None:
     """Contiguous layer groups minimising the fullest stage's bytes.
 
+    The cut is `tfdist.split.plan.balance_contiguous`, the same exact
+    partitioner `tfdist.split.plan_balanced` uses, here with each layer's
+    bytes as its cost: its parameters x (weights + gradients + optimizer
+    slots) + its outputs x batch. Every stage is charged the optimizer's
+    scalars and all non-trainable state (an upper bound).
+
     Returns (first layer index of each stage, memory of the fullest stage), or
-    None when there are fewer layers than stages. Per layer: its parameters x
-    (weights + gradients + optimizer slots) + its outputs x batch. Every stage
-    is charged the optimizer's scalars and all non-trainable state (an upper
-    bound).
+    None when there are fewer layers than stages.
     """
+    from tfdist.split.plan import balance_contiguous  # plain Python, no TensorFlow
+
     layers = stats.layers
     if len(layers) < stages:
         return None
@@ -207,34 +212,8 @@ def _stage_partition(stats: cost.ModelStats, stages: int, *, batch: int,
         + layer.activation_elements * act_bytes * batch
         for layer in layers
     ]
-
-    def greedy(limit: float) -> list[int] | None:
-        starts, current = [0], 0.0
-        for i, w in enumerate(weights):
-            if w > limit:
-                return None
-            if current + w > limit:
-                starts.append(i)
-                current = 0.0
-            current += w
-        return starts
-
-    low, high = 0.0, sum(weights)
-    for _ in range(60):  # binary search on the fullest stage's bytes
-        mid = (low + high) / 2
-        starts = greedy(mid)
-        if starts is not None and len(starts) <= stages:
-            high = mid
-        else:
-            low = mid
-    starts = greedy(high)
-    if starts is None:  # pragma: no cover - high = sum(weights) always succeeds
-        raise AssertionError("stage partition failed")
-    while len(starts) < stages:  # use exactly `stages` groups: halve the longest
-        ends = starts[1:] + [len(layers)]
-        sizes = [e - s for s, e in zip(starts, ends)]
-        i = max(range(len(starts)), key=lambda j: sizes[j])
-        starts.insert(i + 1, starts[i] + sizes[i] // 2)
+    stage_of = balance_contiguous(weights, [1.0] * stages)
+    starts = [i for i, s in enumerate(stage_of) if i == 0 or stage_of[i - 1] != s]
     ends = starts[1:] + [len(layers)]
     s, e = max(zip(starts, ends), key=lambda se: sum(weights[se[0]:se[1]]))
     params = sum(layer.num_params for layer in layers[s:e]) * bytes_per_param
@@ -430,7 +409,7 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                 communication_bytes=cost.ring_allreduce_bytes_per_rank(stage_grads, groups),
                 communication_time=cost.ring_allreduce_time(stage_grads, groups,
                                                             cluster.slowest_link),
-                registered=_split_registered(registered),
+                registered=True,  # tfdist.split_model ships with tfdist
                 note=f"{split.stages} pipeline stages x {split.data_parallel_groups} "
                      "data-parallel group(s)"))
             where = (f"pipeline stages starting at layers {list(split.stage_boundaries)}"
@@ -455,15 +434,6 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
     return Plan(stats=stats, cluster=cluster, global_batch_size=batch, optimizer=opt,
                 candidates=tuple(candidates), recommended=recommended,
                 reasons=tuple(reasons), split=split)
-
-
-def _split_registered(registered: Sequence[str]) -> bool:
-    # Splitting is not a strategy preset: it is applied with tfdist.split_model
-    # (composing with data-parallel replicas), which ships with tfdist.split.
-    import importlib.util
-
-    return (importlib.util.find_spec("tfdist.split") is not None
-            or any("split" in name or "pipeline" in name for name in registered))
 
 
 def _find_split(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,

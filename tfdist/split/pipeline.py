@@ -456,12 +456,11 @@ def split_model(model, *, devices: Sequence[str] | None = None,
                            layer_map=layer_map, source_order=source_order,
                            micro_batches=micro_batches, schedule=schedule,
                            replica_devices=replica_devices, strategy=strategy)
-    from tfdist.split.tensor_parallel import _MHA_PROJECTIONS
+    from tfdist.split.tensor_parallel import sharded_sublayers
 
-    for layer in layer_map.values():
-        for sub in [layer] + [getattr(layer, a, None) for a, _ in _MHA_PROJECTIONS]:
-            if hasattr(sub, "shard_devices"):
-                sub.device_map = lambda d, s=split: s._map_device(d, s._replica_id())
+    for name, _ in plan.tensor_parallel:
+        for sub in sharded_sublayers(layer_map[name]):
+            sub.device_map = lambda d, s=split: s._map_device(d, s._replica_id())
     if strategy is None:
         misplaced = check_placement(split)
         if misplaced:

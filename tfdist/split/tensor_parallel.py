@@ -18,6 +18,7 @@ import types
 import numpy as np
 
 from tfdist._tf import import_tensorflow
+from tfdist.compat import keras_attention
 
 import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
@@ -362,13 +363,6 @@ class ShardedEinsumDense(keras.layers.Layer):
                 self.biases[0].assign(weights[1])
 
 
-# MultiHeadAttention's projections are private sub-layers; swapping them is the
-# only way to split them without rewriting the layer. Verified on Keras 3.15
-# (tests/test_split.py::test_tensor_parallel_attention fails if the names change).
-_MHA_PROJECTIONS = (("_query_dense", "column"), ("_key_dense", "column"),
-                    ("_value_dense", "column"), ("_output_dense", "row"))
-
-
 def shard_attention(layer, *, devices, output_device) -> None:
     """Splits a built MultiHeadAttention's projections by heads over `devices`, in place.
 
@@ -376,50 +370,44 @@ def shard_attention(layer, *, devices, output_device) -> None:
     computes its heads), the output projection row-parallel (each device
     contributes its heads' part of the sum). The attention itself (softmax
     over all heads) runs on `output_device`. The layer keeps its
-    get_weights()/set_weights() layout.
+    get_weights()/set_weights() layout (tfdist.compat.keras_attention swaps
+    the private projection sub-layers).
     """
     if not isinstance(layer, keras.layers.MultiHeadAttention):
         raise ValueError(f"shard_attention needs a MultiHeadAttention. Received: {layer!r}")
-    tracked = layer._layers  # Keras's tracker list of sub-layers (private)
-    tracker = layer._tracker  # locked after build(); unlocked for the swap only
-    tracker.unlock()
-    try:
-        _swap_projections(layer, tracked, devices, output_device)
-    finally:
-        tracker.lock()
-    # Keep the unsplit layout: [q kernel, q bias, k ..., v ..., output kernel, output bias].
-    object.__setattr__(layer, "get_weights", types.MethodType(_mha_get_weights, layer))
-    object.__setattr__(layer, "set_weights", types.MethodType(_mha_set_weights, layer))
-
-
-def _mha_get_weights(self):
-    return [w for attr, _ in _MHA_PROJECTIONS for w in getattr(self, attr).get_weights()]
-
-
-def _mha_set_weights(self, weights):
-    weights = list(weights)
-    for attr, _ in _MHA_PROJECTIONS:
-        sub = getattr(self, attr)
-        n = len(sub.get_weights())
-        sub.set_weights(weights[:n])
-        weights = weights[n:]
-    if weights:
-        raise ValueError(f"{self.name}: {len(weights)} arrays too many for set_weights.")
-
-
-def _swap_projections(layer, tracked, devices, output_device) -> None:
-    for attr, mode in _MHA_PROJECTIONS:
-        old = getattr(layer, attr, None)
-        if old is None or not isinstance(old, keras.layers.EinsumDense):
+    for attr, mode, old in keras_attention.projections(layer):
+        if not isinstance(old, keras.layers.EinsumDense):
             raise RuntimeError(
-                f"MultiHeadAttention has no EinsumDense {attr} in this Keras version; "
-                "tfdist.split.tensor_parallel.shard_attention needs updating.")
+                f"MultiHeadAttention's {attr} is a {type(old).__name__}, not an EinsumDense, "
+                f"in Keras {keras.__version__}; shard_attention cannot split it.")
         weights = old.get_weights()
         new = ShardedEinsumDense.from_einsum_dense(old, mode=mode, devices=devices,
                                                    output_device=output_device)
         new.build(None)
         new.set_weights(weights)
-        index = next(i for i, l in enumerate(tracked) if l is old)
-        setattr(layer, attr, new)  # Keras appends `new` to the tracked layers...
-        tracked.remove(new)        # ...so put it where `old` was, keeping weight order
-        tracked[index] = new
+        keras_attention.replace_projection(layer, attr, new)
+    # Keep the unsplit layout: [q kernel, q bias, k ..., v ..., output kernel, output bias].
+    object.__setattr__(layer, "get_weights", types.MethodType(_mha_get_weights, layer))
+    object.__setattr__(layer, "set_weights", types.MethodType(_mha_set_weights, layer))
+
+
+def sharded_sublayers(layer) -> list:
+    """The layer itself and its attention projections that run on shard devices."""
+    subs = [layer]
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        subs += [sub for _, _, sub in keras_attention.projections(layer)]
+    return [s for s in subs if hasattr(s, "shard_devices")]
+
+
+def _mha_get_weights(self):
+    return [w for _, _, sub in keras_attention.projections(self) for w in sub.get_weights()]
+
+
+def _mha_set_weights(self, weights):
+    weights = list(weights)
+    for _, _, sub in keras_attention.projections(self):
+        n = len(sub.get_weights())
+        sub.set_weights(weights[:n])
+        weights = weights[n:]
+    if weights:
+        raise ValueError(f"{self.name}: {len(weights)} arrays too many for set_weights.")
