@@ -107,3 +107,26 @@ def colocate_optimizer_slots(optimizer) -> None:
     optimizer.add_variable_from_reference = types.MethodType(add_variable_from_reference,
                                                              optimizer)
     optimizer._tfdist_colocated = True
+
+
+def compiled_loss(model, y, y_pred, sample_weight):
+    """The loss given to `compile()` on (y, y_pred), without `model.losses`.
+
+    Keras's `compute_loss` adds every `add_loss` loss recorded so far, which a
+    pipeline computing one micro-batch's loss at a time must not repeat.
+    """
+    if not hasattr(model, "_compile_loss"):
+        raise RuntimeError("keras.Model has no _compile_loss in this Keras version; "
+                           "tfdist.compat.placed_training needs updating.")
+    if model._compile_loss is None:
+        raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+    return model._compile_loss(y, y_pred, sample_weight)
+
+
+def track_loss(model, loss, batch_size) -> None:
+    """Feeds the step's loss to the model's loss metric (what `fit` reports)."""
+    from keras.src.losses import loss as loss_module
+
+    _check_trainer_privates(model)
+    model._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
+                                     sample_weight=batch_size)
