@@ -1,7 +1,9 @@
 """The planner: recommendations checked against device memory, the `auto` preset, the CLI."""
 
+import dataclasses
 import json
 import logging
+import math
 import os
 
 import pytest
@@ -349,3 +351,50 @@ def test_cli_bad_input_is_a_clear_error(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --- variants: sharding, offload, gradient compression ------------------------------------
+
+
+def _four_gpus(memory="24GB"):
+    return cost.Machine(device=cost.Device(memory=cost.parse_bytes(memory)), num_devices=4,
+                        link=cost.Link(bandwidth=100e9))
+
+
+def test_variants_are_costed_and_only_available_ones_recommended(monkeypatch):
+    """A 2B-parameter Adam model: the replica (29.8 GiB) does not fit 24 GB, but with the
+    optimizer slots sharded over 4 it does (18.6 GiB)."""
+    stats = cost.ModelStats.from_param_count(2 * 10**9)
+    monkeypatch.setattr(planner, "variant_available", lambda preset, variant: False)
+    plan = tfdist.plan(stats=stats, global_batch_size=64, machine=_four_gpus())
+    zero1 = plan.candidate_named("mirrored[shard=optimizer]")
+    assert zero1.fits and not zero1.registered
+    assert zero1.memory.optimizer == math.ceil(2 * stats.trainable_bytes / 4) + 12
+    assert plan.recommended == "split"  # the sharding option is not installed here
+    assert any("Would fit with mirrored[shard=optimizer]" in r for r in plan.reasons)
+    # Once the preset accepts the option, the cheapest variant that fits is recommended.
+    monkeypatch.setattr(planner, "variant_available",
+                        lambda preset, variant: dict(variant.options).get("shard") is not None)
+    plan = tfdist.plan(stats=stats, global_batch_size=64, machine=_four_gpus())
+    assert (plan.recommended, plan.recommended_options) == ("mirrored",
+                                                            (("shard", "optimizer"),))
+    assert "tfdist.make_strategy('mirrored', shard='optimizer')" in plan.reasons[-1]
+    zero3 = plan.candidate_named("mirrored[shard=parameters]")
+    assert zero3.communication_bytes == 1.5 * plan.candidate("mirrored").communication_bytes
+    assert zero3.memory.parameters < zero1.memory.parameters
+    offload = plan.candidate_named("mirrored[shard=optimizer,offload=optimizer]")
+    assert offload.memory.optimizer == 12  # only the scalars stay on the device
+    bf16 = plan.candidate_named("mirrored[gradient_compression=bf16]")
+    assert bf16.communication_bytes == plan.candidate("mirrored").communication_bytes / 2
+
+
+def test_variant_availability_reads_the_installed_presets():
+    for variant in planner.VARIANTS:
+        assert not planner.variant_available("default", variant)
+    available = {v.options: planner.variant_available("mirrored", v) for v in planner.VARIANTS}
+    from tfdist import config
+
+    fields = {f.name for f in dataclasses.fields(config.MirroredOptions)}
+    for options, ok in available.items():
+        if ok:
+            assert {k for k, _ in options} <= fields

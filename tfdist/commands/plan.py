@@ -328,21 +328,22 @@ def format_plan(plan: planner.Plan) -> str:
         f"{cost.format_bytes(plan.stats.trainable_bytes)}; optimizer {plan.optimizer.name} "
         f"({plan.optimizer.slots_per_variable} slot(s)); global batch {plan.global_batch_size}",
         "",
-        f"{'candidate':<22} {'replicas':>8} {'batch/rep':>9} {'memory/dev':>12} {'fits':>4} "
+        f"{'candidate':<44} {'replicas':>8} {'batch/rep':>9} {'memory/dev':>12} {'fits':>4} "
         f"{'comm/step':>12} {'comm time':>10} {'step':>10}",
     ]
     for cand in plan.candidates:
         mem = "-" if cand.memory is None else cost.format_bytes(cand.memory.total)
         step = "-" if cand.step_time is None else cost.format_seconds(cand.step_time)
-        name = cand.preset + ("" if cand.registered else "*")
+        name = cand.name + ("" if cand.registered else "*")
         lines.append(
-            f"{name:<22} {cand.num_replicas:>8} {cand.per_replica_batch_size or '-':>9} "
+            f"{name:<44} {cand.num_replicas:>8} {cand.per_replica_batch_size or '-':>9} "
             f"{mem:>12} {'yes' if cand.fits else 'no':>4} "
             f"{cost.format_bytes(cand.communication_bytes):>12} "
             f"{cost.format_seconds(cand.communication_time):>10} {step:>10}")
     if any(not cand.registered for cand in plan.candidates):
-        lines.append("(* not registered in this installation)")
-    lines += ["", f"recommended: {plan.recommended or 'nothing fits'}"]
+        lines.append("(* not available in this installation: costed, never recommended)")
+    options = "".join(f", {k}={v!r}" for k, v in plan.recommended_options)
+    lines += ["", f"recommended: {plan.recommended or 'nothing fits'}{options}"]
     lines += [f"  - {reason}" for reason in plan.reasons]
     return "\n".join(lines)
 
