@@ -169,3 +169,16 @@ def test_large_inputs_use_bisection_with_the_same_optimum():
         assert load(fast) == pytest.approx(load(exact), rel=1e-9)
     many = plan_lib.balance_contiguous([1.0] * 900, [1.0] * 64)  # bisection path
     assert set(many) == set(range(64)) and max(many.count(s) for s in range(64)) == 15
+
+
+def test_sequence_parallel_option_and_flag():
+    opts = config.SplitOptions(sequence_parallel=2)
+    assert opts.enabled and opts.split == "none"
+    with pytest.raises(ValueError, match="sequence_parallel must be an integer >= 1"):
+        config.SplitOptions(sequence_parallel=0)
+    with pytest.raises(ValueError, match="sequence_parallel and split are separate"):
+        config.SplitOptions(split="auto", sequence_parallel=2)
+    fv = flags.FlagValues()
+    tfdist_flags.define_split_flags(fv)
+    fv(["prog", "--sequence_parallel=4"])
+    assert tfdist_flags.split_options_from_flags(fv).sequence_parallel == 4

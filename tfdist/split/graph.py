@@ -80,7 +80,11 @@ class Node:
         given, overrides what the graph recorded (even a nested model's
         `training=False`); without it, the recorded value applies.
         """
-        args, kwargs = _fill(self.args, values), _fill(self.kwargs, values)
+        self.invoke(_fill(self.args, values), _fill(self.kwargs, values), values, training)
+
+    def invoke(self, args, kwargs: dict, values: dict, training=None):
+        """Calls the operation on filled-in arguments; stores the outputs in `values`."""
+        kwargs = dict(kwargs)
         effective = training if training is not None else self.training
         if effective is not None and "training" in keras_graph.call_context_args(self.operation):
             kwargs["training"] = effective
@@ -89,10 +93,14 @@ class Node:
             values[key] = value
 
 
-def _fill(structure, values):
+def _fill(structure, values, constant=None):
+    """The structure with each _Ref replaced by its value (and other leaves by
+    `constant(leaf)` when given)."""
+    if not structure:
+        return structure
     return keras.tree.map_structure(
-        lambda x: values[x.key] if isinstance(x, _Ref) else x, structure,
-        none_is_leaf=True) if structure else structure
+        lambda x: values[x.key] if isinstance(x, _Ref) else
+        (constant(x) if constant is not None else x), structure, none_is_leaf=True)
 
 
 @dataclasses.dataclass

@@ -574,12 +574,23 @@ def split_from_options(model, options, *, devices: Sequence[str] | None = None):
 
     Returns the model unchanged for split="none", else a SplitModel: "auto"
     balances over `options.stages` devices (default: all logical devices, or
-    `devices`), a path loads a Plan file.
+    `devices`), a path loads a Plan file; with sequence_parallel=N a
+    SequenceParallelModel over the first N devices.
     """
     from tfdist import devices as devices_lib
 
     if not options.enabled:
         return model
+    if options.sequence_parallel > 1:
+        from tfdist.split.sequence_parallel import sequence_parallel
+
+        pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
+        n = options.sequence_parallel
+        if n > len(pool):
+            raise ValueError(
+                f"sequence_parallel={n} but only {len(pool)} device(s) are available ({pool}). "
+                f"Use --logical_devices={n} or a smaller --sequence_parallel.")
+        return sequence_parallel(model, devices=pool[:n])
     if options.split == "auto":
         pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
         k = options.stages if options.stages is not None else len(pool)

@@ -105,6 +105,15 @@ def _fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
+def describe(model) -> dict:
+    """What a split model does, as plain data (for logs and metrics files)."""
+    if hasattr(model, "plan"):
+        return {"stages": [[d, list(names)] for d, names in model.plan.stages],
+                "micro_batches": model.micro_batches, "schedule": model.schedule}
+    return {"sequence_parallel": len(model.devices), "devices": list(model.devices),
+            "replicas": model.replicas}
+
+
 def placement_report(split, *, batch_size: int | None = None,
                      sequence_length: int | None = None) -> str:
     """A printable table: layer -> device, bytes per device, cuts, bubble.
@@ -118,6 +127,11 @@ def placement_report(split, *, batch_size: int | None = None,
     Example:
       >>> print(tfdist.placement_report(split, batch_size=64))
     """
+    if not hasattr(split, "plan"):  # a SequenceParallelModel
+        return (f"Sequence parallel: each sequence cut over {len(split.devices)} devices "
+                f"({', '.join(_short(d) for d in split.devices)}) x {split.replicas} "
+                "replica(s); position-wise layers run on their slice, attention gathers "
+                "keys and values; variables stay where the model created them.")
     s = placement_summary(split, batch_size=batch_size, sequence_length=sequence_length)
     lines = [f"Placement: {s['num_stages']} stage(s) x {len(s['replicas'])} replica(s), "
              f"micro_batches={s['micro_batches']}"]
