@@ -398,3 +398,28 @@ def test_variant_availability_reads_the_installed_presets():
     for options, ok in available.items():
         if ok:
             assert {k for k, _ in options} <= fields
+
+
+def test_sequence_parallel_is_recommended_when_activations_do_not_fit():
+    """A transformer whose weights fit but whose activations for one long sequence do not
+    (the batch cannot shrink further over replicas): cutting the sequence over 4 devices
+    divides them by 4."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((256,), dtype="int32")
+    x = keras.layers.Embedding(100, 64)(ids)
+    for _ in range(2):
+        x = x + keras.layers.MultiHeadAttention(4, 16)(x, x)
+        x = keras.layers.LayerNormalization()(x)
+    model = keras.Model(ids, keras.layers.Dense(100)(x))
+    stats = cost.model_stats(model)
+    need = cost.replica_memory(stats, per_replica_batch_size=1, optimizer="adam")
+    memory = int(need.state + need.activations / 3)  # fits only with activations / 4
+    machine = cost.Machine(device=cost.Device(memory=memory), num_devices=4,
+                           link=cost.Link(bandwidth=100e9))
+    plan = tfdist.plan(stats=stats, global_batch_size=1, machine=machine)
+    assert (plan.recommended, plan.recommended_options) == ("default",
+                                                            (("sequence_parallel", "4"),))
+    sp = plan.candidate_named("default[sequence_parallel=4]")
+    assert sp.memory.activations == math.ceil(need.activations / 4)
+    assert "tfdist.split.sequence_parallel(model" in plan.reasons[-1]

@@ -91,6 +91,36 @@ def variant_available(preset: str, variant: Variant) -> bool:
     return True
 
 
+ATTENTION_CLASSES = ("MultiHeadAttention", "CachedMultiHeadAttention")
+
+
+def _sequence_parallel_candidates(stats, cluster, batch, opt, device) -> list:
+    """One device's batch with every sequence cut over the machine's devices.
+
+    Only for models with attention layers (tfdist.split.sequence_parallel):
+    weights, gradients and optimizer state stay whole on each device; the
+    activations are divided by N; each attention layer all-gathers its
+    key/value input ((N-1)/N of it per device).
+    """
+    n = cluster.machine.num_devices
+    attention = [l for l in stats.layers if l.class_name in ATTENTION_CLASSES]
+    if n < 2 or not attention:
+        return []
+    base = cost.replica_memory(stats, per_replica_batch_size=batch, optimizer=opt)
+    memory = dataclasses.replace(base, activations=math.ceil(base.activations / n))
+    bytes_per_element = stats.activation_bytes_per_example / max(
+        1, sum(l.activation_elements for l in stats.layers))
+    gathered = sum(l.activation_elements for l in attention) * bytes_per_element * batch
+    traffic = gathered * (n - 1) / n
+    return [Candidate(
+        preset="default", num_replicas=1, per_replica_batch_size=batch, memory=memory,
+        device_memory=device.memory, communication_bytes=traffic,
+        communication_time=traffic * cluster.machine.link.seconds_per_byte,
+        registered=True, options=(("sequence_parallel", str(n)),),
+        note=f"each sequence cut over {n} devices: activations 1/{n} per device, attention "
+             "gathers keys/values")]
+
+
 def _variant_memory(base: cost.MemoryEstimate, variant: Variant, replicas: int,
                     stats: cost.ModelStats, opt: cost.OptimizerState) -> cost.MemoryEstimate:
     n = replicas
@@ -468,6 +498,8 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                 note=variant.summary + ("" if registered_variant else
                                         " (not available in this installation)")))
 
+    candidates.extend(_sequence_parallel_candidates(stats, cluster, batch, opt, device))
+
     reasons: list[str] = []
     per_example_act = stats.activation_bytes_per_example
     reasons.append(
@@ -483,6 +515,9 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
     sync_presets = ("default", "mirrored", "multi_worker_mirrored")
     sync = [c for c in fitting if c.preset in sync_presets and not c.options]
     variants = [c for c in fitting if c.preset in sync_presets and c.options and c.registered]
+    if any(not c.options and c.preset in ("mirrored", "multi_worker_mirrored")
+           for c in fitting):  # data parallelism fits: sequence parallelism is not needed
+        variants = [c for c in variants if "sequence_parallel" not in dict(c.options)]
     if not sync and variants:
         # Cheapest variant that fits: the fastest estimated step, else the least traffic,
         # else the fewest changes (table order).
@@ -491,6 +526,10 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
             candidates.index(c)))
         recommended, recommended_options = best.preset, best.options
         plain = next(c for c in candidates if c.preset == best.preset and not c.options)
+        how = (f"tfdist.split.sequence_parallel(model, devices=<{dict(best.options)['sequence_parallel']} "
+               "devices>) (flag --sequence_parallel)" if "sequence_parallel" in dict(best.options)
+               else f"tfdist.make_strategy({best.preset!r}, "
+               f"{', '.join(f'{k}={v!r}' for k, v in best.options)})")
         reasons.append(
             f"{best.preset} does not fit as it is (needs {cost.format_bytes(plain.memory.total)}"
             f" per device of {cost.format_bytes(best.device_memory)}), but with "
@@ -500,9 +539,7 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
             f"{cost.format_bytes(best.memory.gradients)}, optimizer "
             f"{cost.format_bytes(best.memory.optimizer)}, activations "
             f"{cost.format_bytes(best.memory.activations)}) and moves "
-            f"{cost.format_bytes(best.communication_bytes)} per step. Apply it with "
-            f"tfdist.make_strategy({best.preset!r}, "
-            f"{', '.join(f'{k}={v!r}' for k, v in best.options)}).")
+            f"{cost.format_bytes(best.communication_bytes)} per step. Apply it with {how}.")
     elif sync:
         best = _choose(sync)
         recommended = best.preset
