@@ -40,8 +40,15 @@ GOOD = json.dumps({"cluster": {"chief": ["c:1"], "worker": ["a:1", "b:1"]},
     ('{"cluster": {"worker": ["a:1"], "evaluator": ["e:1"]}, '
      '"task": {"type": "worker", "index": 0}}', 1, "stderr", ["lists an 'evaluator'"]),
     (None, 2, "stderr", ["TF_CONFIG is not set"]),
-    ('{"cluster": {"master": ["m:1"]}, "task": {"type": "master", "index": 0}}', 0, "stderr",
-     ["warning:", 'Rename "master" to "chief"']),
+    # TensorFlow 2's strategies reject 'master': --check says so first.
+    ('{"cluster": {"master": ["m:1"]}, "task": {"type": "master", "index": 0}}', 1, "stderr",
+     ["error:", 'rename "master" to "chief"']),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}, "x": 1}', 0,
+     "stderr", ["warning: TF_CONFIG has keys TensorFlow ignores: 'x'"]),
+    # Invalid UTF-8 in the environment: the message still prints, escaped.
+    (b'{"cluster": {"worker": ["[fe80::1%\xff]:1"]}, "task": {"type": "worker", "index": 0}}',
+     1, "stderr", ["invalid UTF-8", "\\udcff"]),
+    ("[" * 3000 + "]" * 3000, 1, "stderr", ["nested too deeply"]),
 ])
 def test_check_exit_codes_and_messages(tf_config, code, stream, fragments):
     proc = run("--check", tf_config=tf_config)
@@ -87,9 +94,12 @@ def test_hosts_and_slurm():
     assert configs[0].cluster.cluster_dict() == {"worker": ["a:7000", "b:7000"], "ps": ["c:7000"]}
     slurm = {"SLURM_PROCID": "2", "SLURM_STEP_NODELIST": "n[1-2]",
              "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NUM_TASKS": "3"}
-    proc = run("--slurm", "--num_ps=1", "--format=json", extra_env=slurm)
+    proc = run("--slurm", "--num_ps=1", "--format=json", "--slurm_addresses=name",
+               extra_env=slurm)
     config = C.parse_tf_config(proc.stdout)
     assert (config.task_type, config.task_id, config.address) == ("worker", 1, "n2:8888")
+    proc = run("--slurm", "--num_workers=1", "--slurm_addresses=name", extra_env=slurm)
+    assert proc.returncode == 1 and "step has 3 task(s)" in proc.stderr
     proc = run("--slurm")
     assert proc.returncode == 1 and "not found in the environment" in proc.stderr
     assert_clean(proc)
@@ -109,7 +119,7 @@ def test_kubernetes_yaml():
     ((), 2, "choose exactly one of --check"),
     (("--local", "--check"), 2, "Received: --check, --local"),
     (("--local",), 2, "--local needs --num_workers"),
-    (("--local", "--num_workers=0"), 1, "num_workers must be an integer >= 1"),
+    (("--local", "--num_workers=0"), 1, "num_workers must be an integer from 1 to 1000"),
     (("--kubernetes", "--name=x"), 2, "--kubernetes needs --image, --num_workers, a command"),
     (("--hosts=a", "--num_workers=1"), 2, "--hosts takes no --num_workers"),
     (("--check", "extra"), 2, "unexpected arguments: extra"),

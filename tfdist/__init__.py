@@ -55,6 +55,8 @@ _EXPORTS = {
     "hosts_cluster": "tfdist.cluster",
     "slurm_tf_config": "tfdist.cluster",
     "kubernetes_tfjob": "tfdist.cluster",
+    "kubernetes_trainjob": "tfdist.cluster",
+    "kubernetes_training_runtime": "tfdist.cluster",
     "kubernetes_cluster": "tfdist.cluster",
     "to_yaml": "tfdist.cluster",
     "check_cluster_for": "tfdist.cluster",

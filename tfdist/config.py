@@ -430,8 +430,23 @@ class AutoOptions(PresetOptions):
     """Picks the preset from the environment (see `tfdist.strategies.choose_preset`).
 
     TF_CONFIG with ps tasks -> parameter_server; TF_CONFIG with several
-    training tasks -> multi_worker_mirrored; several GPUs -> mirrored; else
-    default. The chosen preset runs with its default options.
+    training tasks, or a SLURM job step of several tasks and no TF_CONFIG ->
+    multi_worker_mirrored; several GPUs -> mirrored; else default. The chosen
+    preset runs with its default options.
+
+    Attributes:
+      slurm_port: in a SLURM step without TF_CONFIG, the port of the first task
+        on each host (the k-th task on a host listens on slurm_port + k).
     """
 
     preset: ClassVar[str] = "auto"
+    slurm_port: int = dataclasses.field(default=8888, metadata={
+        "help": "auto: in a SLURM job step without TF_CONFIG, the port of the first task "
+                "on each host (task k on a host listens on slurm_port + k)."})
+
+    def __post_init__(self):
+        if isinstance(self.slurm_port, bool) or not isinstance(self.slurm_port, int) or not (
+                1 <= self.slurm_port <= 65535):
+            raise ValueError(
+                f"slurm_port must be a port from 1 to 65535. Received: "
+                f"slurm_port={self.slurm_port!r}")

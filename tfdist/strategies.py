@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Callable
 
 from tfdist import config as config_lib
@@ -113,6 +114,7 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         opts = preset
     else:
         opts = make_options(preset, **options)
+    _check_tf_config()
     strategy = get_preset(opts.preset).factory(opts)
     from tfdist.compat import _owner
 
@@ -124,6 +126,22 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         optimizer_update.install()
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
+
+
+def _check_tf_config() -> None:
+    """A bad TF_CONFIG is a clear error before any preset starts TensorFlow.
+
+    TensorFlow reads TF_CONFIG while building strategies that never use a
+    cluster too (MirroredStrategy does), and fails on a broken one with
+    TypeError, JSONDecodeError or RecursionError.
+    """
+    from tfdist import cluster as cluster_lib
+
+    if cluster_lib.tf_config_from_env() is None and os.environ.get("TF_CONFIG") not in (
+            None, "{}"):
+        # tfdist reads a blank TF_CONFIG as "no cluster"; TensorFlow's resolver
+        # cannot parse it. Say the same thing in TensorFlow's words.
+        os.environ["TF_CONFIG"] = "{}"
 
 
 def describe(strategy, global_batch_size: int | None = None) -> str:
@@ -297,6 +315,16 @@ def choose_preset(*, environ=None, num_gpus: int | None = None) -> tuple[str, st
     from tfdist import cluster as cluster_lib
 
     tf_config = cluster_lib.tf_config_from_env(environ)
+    evaluator = tf_config is not None and tf_config.task_type == "evaluator"
+    if evaluator:
+        # The side-car evaluator trains nothing: it reads the chief's checkpoints.
+        tf_config = None
+    env = os.environ if environ is None else environ
+    slurm_tasks = cluster_lib.step_num_tasks(env) if not env.get("TF_CONFIG", "").strip() else None
+    if slurm_tasks is not None and slurm_tasks > 1:
+        return "multi_worker_mirrored", (
+            f"this process is one of the {slurm_tasks} tasks of a SLURM job step and "
+            f"TF_CONFIG is unset (tfdist sets it from the step)")
     if tf_config is not None:
         c = tf_config.cluster
         if c.num_ps > 0:
@@ -308,7 +336,8 @@ def choose_preset(*, environ=None, num_gpus: int | None = None) -> tuple[str, st
                 f"({c.sizes()})")
     if num_gpus is None:
         num_gpus = len(import_tensorflow().config.list_logical_devices("GPU"))
-    where = "no TF_CONFIG cluster" if tf_config is None else "TF_CONFIG has one training task"
+    where = ("this task is the TF_CONFIG evaluator" if evaluator else
+             "no TF_CONFIG cluster" if tf_config is None else "TF_CONFIG has one training task")
     if num_gpus > 1:
         return "mirrored", f"{where} and {num_gpus} GPUs on this machine"
     gpus = "one GPU" if num_gpus == 1 else "no GPU"
@@ -323,8 +352,16 @@ def choose_preset(*, environ=None, num_gpus: int | None = None) -> tuple[str, st
     needs="nothing (uses what the environment provides)",
 )
 def _auto(options: config_lib.AutoOptions):
-    del options
+    from tfdist import cluster as cluster_lib
+
     name, reason = choose_preset()
+    slurm_tasks = cluster_lib.step_num_tasks()
+    if name == "multi_worker_mirrored" and slurm_tasks is not None and slurm_tasks > 1 and (
+            cluster_lib.tf_config_from_env() is None):
+        # The strategy reads TF_CONFIG from the environment; 'auto' was asked to
+        # wire the step up, so it writes the step's TF_CONFIG there.
+        os.environ["TF_CONFIG"] = cluster_lib.slurm_tf_config(
+            port=options.slurm_port, addresses="auto").to_json()
     if name not in _REGISTRY:
         raise ValueError(
             f"Preset 'auto' chose {name!r} because {reason}, but preset {name!r} is not "

@@ -3,8 +3,10 @@
     tfdist tf-config --check [--strategy=multi_worker_mirrored]  # validate $TF_CONFIG
     tfdist tf-config --local --num_workers=2 [--num_ps=1] [--chief] [--evaluator]
     tfdist tf-config --hosts=node1,node2,node3 [--num_ps=1] [--chief] [--port=2222]
-    tfdist tf-config --slurm [--num_ps=1]          # inside `srun`: this task's TF_CONFIG
+    tfdist tf-config --slurm [--num_ps=1] [--chief]  # inside `srun`: this task's TF_CONFIG
     tfdist tf-config --kubernetes --name=mnist --image=IMAGE --num_workers=2 -- python train.py
+    tfdist tf-config --kubernetes --kind=trainjob --name=mnist --image=IMAGE --num_workers=2 \
+        -- python train.py                          # Kubeflow Trainer v2 (runtime + TrainJob)
 
 Exit codes of --check: 0 valid (one-line summary), 1 invalid (the message,
 no traceback), 2 TF_CONFIG unset. The generators exit 1 on invalid input
@@ -35,14 +37,23 @@ flags.DEFINE_list("hosts", None, "Generate TF_CONFIGs for these machines "
                   "('host' or 'host:port', comma-separated; order: chief, workers, ps, "
                   "evaluator).")
 flags.DEFINE_bool("slurm", False, "Print this SLURM task's TF_CONFIG (run under srun).")
-flags.DEFINE_bool("kubernetes", False, "Print a Kubeflow TFJob manifest; the command to "
-                  "run goes after `--`.")
-flags.DEFINE_integer("num_workers", None, "Number of worker tasks (--local, --kubernetes).")
+flags.DEFINE_bool("kubernetes", False, "Print a Kubernetes manifest (see --kind); the command "
+                  "to run goes after `--`.")
+flags.DEFINE_enum("kind", "tfjob", ["tfjob", "trainjob"],
+                  "--kubernetes: 'tfjob' (Kubeflow training operator v1 TFJob: chief, workers, "
+                  "ps, evaluator) or 'trainjob' (Kubeflow Trainer v2: a plain TrainingRuntime "
+                  "and a TrainJob whose pods get TF_CONFIG from their index; workers only).")
+flags.DEFINE_integer("num_workers", None, "Number of worker tasks (--local, --kubernetes; "
+                     "with --slurm: the step must have exactly this many workers).")
 flags.DEFINE_integer("num_ps", 0, "Number of parameter-server tasks.")
 flags.DEFINE_bool("chief", False, "Add a chief task.")
 flags.DEFINE_bool("evaluator", False, "Add an evaluator task.")
 flags.DEFINE_integer("port", None, "Port: default 2222 for --hosts and --kubernetes, "
                      "8888 (first task on a node) for --slurm.")
+flags.DEFINE_enum("slurm_addresses", "auto", ["auto", "name", "nodeaddr"],
+                  "--slurm: the tasks' hosts: the node names ('name'), SLURM's NodeAddr of each "
+                  "node from `scontrol show node` ('nodeaddr'), or the name where DNS resolves "
+                  "it and the NodeAddr elsewhere ('auto').")
 flags.DEFINE_string("rpc_layer", None, "Optional TF_CONFIG rpc_layer (e.g. grpc).")
 flags.DEFINE_string("task", None, "Print only this task's TF_CONFIG, e.g. 'worker:1' "
                     "(--local, --hosts).")
@@ -50,11 +61,13 @@ flags.DEFINE_enum("format", None, ["env", "json", "yaml"],
                   "Output: 'env' (TF_CONFIG='...' lines, the default for TF_CONFIGs), "
                   "'json' (the value alone; the manifest as JSON for --kubernetes), "
                   "'yaml' (--kubernetes default).")
-flags.DEFINE_string("name", None, "--kubernetes: the TFJob name.")
+flags.DEFINE_string("name", None, "--kubernetes: the TFJob / TrainJob name.")
 flags.DEFINE_string("image", None, "--kubernetes: the container image.")
 flags.DEFINE_string("namespace", None, "--kubernetes: the namespace (omitted if unset).")
 flags.DEFINE_enum("restart_policy", "OnFailure", ["Always", "OnFailure", "Never", "ExitCode"],
-                  "--kubernetes: the replicas' restartPolicy.")
+                  "--kubernetes --kind=tfjob: the replicas' restartPolicy.")
+flags.DEFINE_string("runtime", "tfdist-tensorflow", "--kubernetes --kind=trainjob: the name of "
+                    "the plain TrainingRuntime printed with the TrainJob.")
 
 FLAGS = flags.FLAGS
 
@@ -64,7 +77,11 @@ class _UsageError(Exception):
 
 
 def _err(message: str) -> None:
-    print(f"tfdist tf-config: {message}", file=sys.stderr)
+    # A message may quote hostile input (invalid UTF-8 from the environment):
+    # it must still print.
+    text = f"tfdist tf-config: {message}\n"
+    sys.stderr.write(text.encode("ascii", "backslashreplace").decode("ascii"))
+    sys.stderr.flush()
 
 
 def _print_configs(configs: list[cluster_lib.TFConfig], fmt: str) -> None:
@@ -120,15 +137,33 @@ def _run(mode: str, extra: list[str]) -> int:
                 f"--kubernetes needs {', '.join(missing + ([] if extra else ['a command after --']))}"
                 f", e.g. tfdist tf-config --kubernetes --name=mnist --image=IMAGE "
                 f"--num_workers=2 -- python train.py")
-        manifest = cluster_lib.kubernetes_tfjob(
-            name=FLAGS.name, image=FLAGS.image, command=extra, num_workers=FLAGS.num_workers,
-            num_ps=FLAGS.num_ps, chief=FLAGS.chief, evaluator=FLAGS.evaluator,
-            port=2222 if FLAGS.port is None else FLAGS.port, namespace=FLAGS.namespace,
-            restart_policy=FLAGS.restart_policy)
-        if fmt == "json":
-            print(json.dumps(manifest, indent=2))
+        port = 2222 if FLAGS.port is None else FLAGS.port
+        if FLAGS.kind == "trainjob":
+            unsupported = [f for f, on in (("--num_ps", FLAGS.num_ps), ("--chief", FLAGS.chief),
+                                            ("--evaluator", FLAGS.evaluator)) if on]
+            if unsupported:
+                raise _UsageError(
+                    f"--kind=trainjob runs workers only (Trainer v2 has one kind of pod); "
+                    f"{', '.join(unsupported)} need --kind=tfjob.")
+            manifests = [
+                cluster_lib.kubernetes_training_runtime(name=FLAGS.runtime, port=port,
+                                                        namespace=FLAGS.namespace),
+                cluster_lib.kubernetes_trainjob(
+                    name=FLAGS.name, image=FLAGS.image, command=extra,
+                    num_workers=FLAGS.num_workers, port=port, namespace=FLAGS.namespace,
+                    runtime=FLAGS.runtime)]
         else:
-            print(cluster_lib.to_yaml(manifest), end="")
+            manifests = [cluster_lib.kubernetes_tfjob(
+                name=FLAGS.name, image=FLAGS.image, command=extra,
+                num_workers=FLAGS.num_workers, num_ps=FLAGS.num_ps, chief=FLAGS.chief,
+                evaluator=FLAGS.evaluator, port=port, namespace=FLAGS.namespace,
+                restart_policy=FLAGS.restart_policy)]
+        if fmt == "json":
+            document = manifests[0] if len(manifests) == 1 else {
+                "apiVersion": "v1", "kind": "List", "items": manifests}
+            print(json.dumps(document, indent=2))
+        else:
+            print(cluster_lib.to_yaml(*manifests), end="")
         return 0
     if fmt == "yaml":
         raise _UsageError("--format=yaml is only for --kubernetes; use env or json.")
@@ -136,7 +171,8 @@ def _run(mode: str, extra: list[str]) -> int:
     if mode == "slurm":
         config = cluster_lib.slurm_tf_config(
             port=8888 if FLAGS.port is None else FLAGS.port, num_ps=FLAGS.num_ps,
-            chief=FLAGS.chief, evaluator=FLAGS.evaluator, rpc_layer=FLAGS.rpc_layer)
+            chief=FLAGS.chief, evaluator=FLAGS.evaluator, num_workers=FLAGS.num_workers,
+            addresses=FLAGS.slurm_addresses, rpc_layer=FLAGS.rpc_layer)
         _print_configs([config], fmt)
         return 0
     if mode == "local":
