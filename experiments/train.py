@@ -154,9 +154,7 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
         "test_accuracy": float(test_accuracy),
         "samples_per_sec": float(np.median(steady)),
         "wall_time_s": time.perf_counter() - start,
-        "split": None if not splitting else {
-            "stages": [[d, list(names)] for d, names in model.plan.stages],
-            "micro_batches": model.micro_batches},
+        "split": None if not splitting else tfdist.split.describe(model),
     }
 
 

@@ -25,15 +25,7 @@ PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 PRIVATE_ATTRIBUTE_ROOTS = (("tf", "python"), ("keras", "src"), ("tensorflow", "python"))
 
 # (path, offending code) -> "owner: why it is still here". Drive to empty.
-ALLOWLIST: dict[tuple[str, str], str] = {
-    # --- split helper ---
-    ("tfdist/split/tensor_parallel.py", "layer._layers"): "split: Keras's sub-layer tracker",
-    ("tfdist/split/tensor_parallel.py", "layer._tracker"): "split: unlocks Keras's tracker",
-    ("tfdist/split/pipeline.py", "s._map_device"):
-        "split: tfdist's own SplitModel through a lambda (not TF/Keras; make it public)",
-    ("tfdist/split/pipeline.py", "s._replica_id"):
-        "split: tfdist's own SplitModel through a lambda (not TF/Keras; make it public)",
-}
+ALLOWLIST: dict[tuple[str, str], str] = {}
 
 
 def _relative(path: str) -> str:

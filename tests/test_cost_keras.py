@@ -130,18 +130,27 @@ def test_activations_are_the_layer_outputs(model_name):
 
 def test_nested_models_are_expanded_into_their_layers():
     stats = cost.model_stats(_nested())
+    assert [layer.name.split("/")[0] for layer in stats.layers] == ["inner", stats.layers[1].name]
     assert [layer.output_shape for layer in stats.layers] == [(4,), (2,)]
     assert stats.activation_bytes_per_example == (4 + 2) * 4
-    assert stats.forward_flops_per_example == 2 * (6 * 4 + 4 * 2)
+    # each Dense: 2 x inputs x units (matmul) + units (bias add)
+    assert stats.forward_flops_per_example == 2 * (6 * 4 + 4 * 2) + 4 + 2
 
 
 def test_flops_by_hand():
-    stats = cost.model_stats(_mlp())
-    assert stats.forward_flops_per_example == 2 * (20 * 64 + 64 * 10)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((20,))
+    h = keras.layers.Dense(64, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    # matmul 2*in*out, bias add 1 per output, relu 1 per output
+    assert cost.model_stats(model).forward_flops_per_example == \
+        2 * 20 * 64 + 64 + 64 + 2 * 64 * 10 + 10
     cnn = cost.model_stats(_cnn())
-    # conv1: 3x3x3x8 kernel at 16x16 positions; conv2: 3x3x8x16 at 6x6; dense 16x5.
-    assert cnn.forward_flops_per_example == 2 * (3 * 3 * 3 * 8 * 256 + 3 * 3 * 8 * 16 * 36
-                                                 + 16 * 5)
+    # conv1: 3x3x3 per output of 16x16x8, + bias + relu; pool 2x2 windows over 8x8x8;
+    # conv2: 3x3x8 per output of 6x6x16 + bias; global average: its 6x6x16 inputs;
+    # dense 16x5 + bias.
+    assert cnn.forward_flops_per_example == (
+        2 * 27 * 2048 + 2048 + 2048 + 4 * 512 + 2 * 72 * 576 + 576 + 576 + 2 * 16 * 5 + 5)
     assert [layer.class_name for layer in cnn.layers][:2] == ["Conv2D", "MaxPooling2D"]
 
 
@@ -162,14 +171,18 @@ def test_subclassed_model_without_symbolic_outputs_is_rejected():
 
     model = Sub()
     model(np.zeros((1, 4), "float32"))
-    with pytest.raises(ValueError, match=r"Cannot analyse layer 'dense.*' \(Dense\): it has no "
-                                         r"symbolic output.*from_param_count"):
+    with pytest.raises(ValueError, match=r"Cannot analyse subclassed model 'sub' \(Sub\): its "
+                                         r"layers have no symbolic graph.*from_param_count"):
         cost.model_stats(model)
 
 
 def test_unknown_dimensions_are_rejected():
     inputs = keras.Input((None, 4))
     model = keras.Model(inputs, keras.layers.Dense(2)(inputs), name="ragged")
-    with pytest.raises(ValueError, match=r"output shape \(None, None, 2\) has unknown "
-                                         r"dimensions besides the batch"):
+    with pytest.raises(ValueError, match=r"Input '.*' has shape \(None, None, 4\): dimensions "
+                                         r"besides the batch are unknown.*input_shapes="):
         cost.model_stats(model)
+    # Given the length, it traces: 2 x 4 x 2 per position + bias, over 7 positions.
+    stats = cost.model_stats(model, input_shapes=(7, 4))
+    assert stats.forward_flops_per_example == 7 * (2 * 4 * 2 + 2)
+    assert stats.activation_bytes_per_example == 7 * 2 * 4

@@ -1,7 +1,9 @@
 """The planner: recommendations checked against device memory, the `auto` preset, the CLI."""
 
+import dataclasses
 import json
 import logging
+import math
 import os
 
 import pytest
@@ -198,12 +200,24 @@ def test_choose_preset_rejects_a_broken_tf_config():
 
 def test_auto_on_this_machine_is_default_and_logs_why(caplog, monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with caplog.at_level(logging.INFO, logger="tfdist"):
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
         strategy = tfdist.make_strategy("auto")
     import tensorflow as tf
 
     assert strategy is tf.distribute.get_strategy()
-    assert "auto chose preset 'default' because no TF_CONFIG cluster and no GPU" in caplog.text
+    records = [r for r in caplog.records if "auto chose" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING  # seen by default
+    assert records[0].getMessage() == ("auto chose preset 'default' because no TF_CONFIG "
+                                       "cluster and no GPU: nothing to distribute over.")
+
+
+def test_auto_says_what_it_chose_without_any_logging_setup():
+    result = run_python("-c", "import tfdist; tfdist.make_strategy('auto')", timeout=100,
+                        env={"TF_CONFIG": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [l for l in result.stderr.splitlines() if "auto chose" in l]
+    assert lines == ["auto chose preset 'default' because no TF_CONFIG cluster and no GPU: "
+                     "nothing to distribute over."], result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("roles, preset", [
@@ -269,6 +283,40 @@ def test_cli_reads_an_example_model():
     assert data["recommended"] == "mirrored"
 
 
+USER_MODELS = """
+import keras
+
+def gpt():
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    x = keras.layers.Embedding(100, 16)(ids)
+    x = x + keras.layers.MultiHeadAttention(2, 8)(x, x)
+    return keras.Model(ids, keras.layers.Dense(100)(x))
+"""
+
+
+def test_cli_takes_the_users_own_models(tmp_path):
+    (tmp_path / "user_models.py").write_text(USER_MODELS)
+    hardware = ["--devices=2", "--device_memory=1GB", "--bandwidth=10GB/s", "--format=json"]
+    env = {"PYTHONPATH": str(tmp_path)}
+    text = _cli("--model=user_models:gpt", *hardware, env=env)
+    assert text.returncode == 2 and "Pass input_shapes={'token_ids': (128,)}" in text.stderr
+    short = _cli("--model=user_models:gpt", "--input_shape=token_ids:8", *hardware, env=env)
+    long = _cli("--model=user_models:gpt", "--input_shape=16", *hardware, env=env)
+    assert short.returncode == 0 and long.returncode == 0, short.stderr + long.stderr
+    f_short = json.loads(short.stdout)["model"]["forward_flops_per_example"]
+    f_long = json.loads(long.stdout)["model"]["forward_flops_per_example"]
+    assert 2.0 < f_long / f_short < 2.3  # 16 tokens: twice the position-wise work, more attention
+    saved = tmp_path / "m.keras"
+    run_python("-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import user_models; "
+                     f"user_models.gpt().save({str(saved)!r})", timeout=100)
+    from_file = _cli(f"--model={saved}", "--input_shape=token_ids:8", *hardware)
+    assert from_file.returncode == 0, from_file.stderr
+    assert json.loads(from_file.stdout)["model"]["forward_flops_per_example"] == f_short
+    app = _cli("--model=MobileNetV3Small", "--input_shape=32,32,3", "--num_classes=4", *hardware)
+    assert app.returncode == 0, app.stderr
+    assert json.loads(app.stdout)["model"]["num_params"] > 400_000
+
+
 @pytest.mark.parametrize("args, message", [
     (["--params=1e6", "--cluster={\"machines\": 2, devices}"],
      "--cluster is not valid JSON (Expecting property name enclosed in double quotes"),
@@ -286,7 +334,15 @@ def test_cli_reads_an_example_model():
     (["--params=lots", "--devices=1", "--device_memory=1GB"],
      "params must be a positive number such as 7e9"),
     ([], "Pass exactly one of --model=NAME (from models/) or --params=N."),
-    (["--model=resnet"], "Unknown model 'resnet'. Valid models: mlp, cnn, transformer."),
+    (["--model=resnet"], "Unknown model 'resnet'. Give an example model (mlp, cnn, transformer)"),
+    (["--params=1e6", "--devices=2", "--device_memory=1e400GB", "--bandwidth=1GB/s"],
+     "device_memory must be a finite number such as 80GB; '1e400GB' is too large"),
+    (["--params=1e400"], "params must be a finite number"),
+    (["--model=missing.keras"], "--model=missing.keras: no such file"),
+    (["--model=os:getcwd"], "--model=os:getcwd gave str, not a keras.Model"),
+    (["--model=no_such_module_x:build"], "cannot import module 'no_such_module_x'"),
+    (["--model=mlp", "--input_shape=ids:0"], "input_shape per input must be name:dims"),
+    (["--params=10", "--input_shape=8"], "--input_shape goes with --model"),
     (["--model=mlp", "--input_shape=28,x"], "input_shape must be positive integers"),
     (["--model=mlp", "--params=10"], "Pass exactly one of --model=NAME"),
 ])
@@ -295,3 +351,75 @@ def test_cli_bad_input_is_a_clear_error(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --- variants: sharding, offload, gradient compression ------------------------------------
+
+
+def _four_gpus(memory="24GB"):
+    return cost.Machine(device=cost.Device(memory=cost.parse_bytes(memory)), num_devices=4,
+                        link=cost.Link(bandwidth=100e9))
+
+
+def test_variants_are_costed_and_only_available_ones_recommended(monkeypatch):
+    """A 2B-parameter Adam model: the replica (29.8 GiB) does not fit 24 GB, but with the
+    optimizer slots sharded over 4 it does (18.6 GiB)."""
+    stats = cost.ModelStats.from_param_count(2 * 10**9)
+    monkeypatch.setattr(planner, "variant_available", lambda preset, variant: False)
+    plan = tfdist.plan(stats=stats, global_batch_size=64, machine=_four_gpus())
+    zero1 = plan.candidate_named("mirrored[shard=optimizer]")
+    assert zero1.fits and not zero1.registered
+    assert zero1.memory.optimizer == math.ceil(2 * stats.trainable_bytes / 4) + 12
+    assert plan.recommended == "split"  # the sharding option is not installed here
+    assert any("Would fit with mirrored[shard=optimizer]" in r for r in plan.reasons)
+    # Once the preset accepts the option, the cheapest variant that fits is recommended.
+    monkeypatch.setattr(planner, "variant_available",
+                        lambda preset, variant: dict(variant.options).get("shard") is not None)
+    plan = tfdist.plan(stats=stats, global_batch_size=64, machine=_four_gpus())
+    assert (plan.recommended, plan.recommended_options) == ("mirrored",
+                                                            (("shard", "optimizer"),))
+    assert "tfdist.make_strategy('mirrored', shard='optimizer')" in plan.reasons[-1]
+    zero3 = plan.candidate_named("mirrored[shard=parameters]")
+    assert zero3.communication_bytes == 1.5 * plan.candidate("mirrored").communication_bytes
+    assert zero3.memory.parameters < zero1.memory.parameters
+    offload = plan.candidate_named("mirrored[shard=optimizer,offload=optimizer]")
+    assert offload.memory.optimizer == 12  # only the scalars stay on the device
+    bf16 = plan.candidate_named("mirrored[gradient_compression=bf16]")
+    assert bf16.communication_bytes == plan.candidate("mirrored").communication_bytes / 2
+
+
+def test_variant_availability_reads_the_installed_presets():
+    for variant in planner.VARIANTS:
+        assert not planner.variant_available("default", variant)
+    available = {v.options: planner.variant_available("mirrored", v) for v in planner.VARIANTS}
+    from tfdist import config
+
+    fields = {f.name for f in dataclasses.fields(config.MirroredOptions)}
+    for options, ok in available.items():
+        if ok:
+            assert {k for k, _ in options} <= fields
+
+
+def test_sequence_parallel_is_recommended_when_activations_do_not_fit():
+    """A transformer whose weights fit but whose activations for one long sequence do not
+    (the batch cannot shrink further over replicas): cutting the sequence over 4 devices
+    divides them by 4."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((256,), dtype="int32")
+    x = keras.layers.Embedding(100, 64)(ids)
+    for _ in range(2):
+        x = x + keras.layers.MultiHeadAttention(4, 16)(x, x)
+        x = keras.layers.LayerNormalization()(x)
+    model = keras.Model(ids, keras.layers.Dense(100)(x))
+    stats = cost.model_stats(model)
+    need = cost.replica_memory(stats, per_replica_batch_size=1, optimizer="adam")
+    memory = int(need.state + need.activations / 3)  # fits only with activations / 4
+    machine = cost.Machine(device=cost.Device(memory=memory), num_devices=4,
+                           link=cost.Link(bandwidth=100e9))
+    plan = tfdist.plan(stats=stats, global_batch_size=1, machine=machine)
+    assert (plan.recommended, plan.recommended_options) == ("default",
+                                                            (("sequence_parallel", "4"),))
+    sp = plan.candidate_named("default[sequence_parallel=4]")
+    assert sp.memory.activations == math.ceil(need.activations / 4)
+    assert "tfdist.split.sequence_parallel(model" in plan.reasons[-1]

@@ -86,13 +86,18 @@ def test_variables_forward_backward_and_slots_on_planned_devices():
 
 def test_get_weights_are_the_original_model_weights_in_order():
     model = residual_model()
+    before = model.get_weights()
     split = tfdist.split_model(model, devices=["/cpu:0", "/cpu:1"])
     assert [w.shape for w in split.get_weights()] == [w.shape for w in model.get_weights()]
-    assert _max_diff(split.get_weights(), model.get_weights()) == 0.0
+    assert _max_diff(split.get_weights(), before) == 0.0
     new = [w + 1.0 for w in model.get_weights()]
     split.set_weights(new)
     assert _max_diff(split.get_weights(), new) == 0.0
-    assert _max_diff(model.get_weights(), new) == 1.0  # the original is untouched
+    # The split runs the model's own layers: the model sees the new weights, and its
+    # variables now live on the planned devices.
+    assert _max_diff(model.get_weights(), new) == 0.0
+    assert [_dev(w) for w in model.get_layer("d0").weights] == ["CPU:0", "CPU:0"]
+    assert {_dev(w) for w in model.get_layer("out").weights} == {"CPU:1"}
 
 
 # --- pipeline ------------------------------------------------------------------------------
@@ -238,6 +243,7 @@ def attention_model(seed=4):
 
 def test_tensor_parallel_attention_heads_equal_unsplit():
     model = attention_model()
+    reference = attention_model()  # the split changes `model`'s attention in place
     tokens = RNG.standard_normal((16, 6, 8)).astype("float32")
     target = RNG.standard_normal((16, 1)).astype("float32")
     plan = Plan.from_dict({"mha": "/cpu:0", "res": "/cpu:0", "pool": "/cpu:1", "head": "/cpu:1"})
@@ -246,15 +252,15 @@ def test_tensor_parallel_attention_heads_equal_unsplit():
     mha = split.placed_layers()["mha"]
     devices = sorted({_dev(w) for w in mha.weights})
     assert devices == ["CPU:0", "CPU:2", "CPU:3"]  # head shards; output bias on the stage device
-    assert [w.shape for w in split.get_weights()] == [w.shape for w in model.get_weights()]
-    assert _max_diff(split.get_weights(), model.get_weights()) == 0.0
-    assert np.abs(split(tokens).numpy() - model(tokens).numpy()).max() <= TOL
+    assert [w.shape for w in split.get_weights()] == [w.shape for w in reference.get_weights()]
+    assert _max_diff(split.get_weights(), reference.get_weights()) == 0.0
+    assert np.abs(split(tokens).numpy() - reference(tokens).numpy()).max() <= TOL
     split.compile(keras.optimizers.SGD(0.05), "mse")
-    model.compile(keras.optimizers.SGD(0.05), "mse")
+    reference.compile(keras.optimizers.SGD(0.05), "mse")
     h_s = split.fit(tokens, target, batch_size=8, shuffle=False, verbose=0).history["loss"]
-    h_u = model.fit(tokens, target, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    h_u = reference.fit(tokens, target, batch_size=8, shuffle=False, verbose=0).history["loss"]
     assert np.allclose(h_s, h_u, atol=TOL)
-    assert _max_diff(split.get_weights(), model.get_weights()) <= TOL
+    assert _max_diff(split.get_weights(), reference.get_weights()) <= TOL
     assert "heads-split: CPU:0, CPU:2, CPU:3" in tfdist.placement_report(split)
 
 

@@ -84,3 +84,23 @@ def test_upstream_tape_gradients_ignore_forward_device_and_fix_colocates():
     assert tape_devices and not any(d.endswith("CPU:3") for d in tape_devices)  # upstream gap
     fixed = grad_devices(lambda x, y: placed_training.placed_train_step(model, (x, y)))
     assert fixed and all(d.endswith("CPU:3") for d in fixed)
+
+
+def test_keras_graph_reads_nodes_in_order_and_moves_variables():
+    """The private Keras structure tfdist.compat.keras_graph reads, still there and working."""
+    from tfdist.compat import keras_graph
+
+    inp = keras.Input((3,), name="x")
+    d1 = keras.layers.Dense(4, name="d1")
+    out = keras.layers.Dense(2, name="d2")(d1(inp, training=False))
+    model = keras.Model(inp, out)
+    nodes = keras_graph.graph_nodes(model)
+    assert [n.operation.name for n in nodes] == ["d1", "d2"]
+    assert nodes[0].kwargs == {"training": False} and nodes[0].inputs == (inp,)
+    variable = d1.kernel
+    before = variable.numpy()
+    keras_graph.move_variable(variable, "/cpu:3")
+    assert d1.kernel is variable  # the same Keras variable, new storage
+    assert variable.value.device.endswith("CPU:3")
+    assert (variable.numpy() == before).all()
+    assert model(tf.ones((1, 3))).shape == (1, 2)

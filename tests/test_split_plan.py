@@ -147,3 +147,38 @@ def test_split_flags(tmp_path):
     fv2(["prog", "--micro_batches=4"])
     with pytest.raises(flags.ValidationError, match="--split=auto"):
         tfdist_flags.split_options_from_flags(fv2)
+
+
+def test_large_inputs_use_bisection_with_the_same_optimum():
+    import random
+
+    import numpy as np
+
+    rng = random.Random(3)
+    for n, k in ((40, 3), (70, 5)):
+        costs = [rng.random() for _ in range(n)]
+        weights = [rng.choice([1.0, 2.0]) for _ in range(k)]
+        exact = plan_lib.balance_contiguous(costs, weights)
+        fast = plan_lib._balance_by_bisection(np.concatenate([[0.0], np.cumsum(costs)]), weights)
+
+        def load(stages):
+            return max(sum(c for c, s in zip(costs, stages) if s == j) / weights[j]
+                       for j in range(k))
+
+        assert fast == sorted(fast) and set(fast) == set(range(k))
+        assert load(fast) == pytest.approx(load(exact), rel=1e-9)
+    many = plan_lib.balance_contiguous([1.0] * 900, [1.0] * 64)  # bisection path
+    assert set(many) == set(range(64)) and max(many.count(s) for s in range(64)) == 15
+
+
+def test_sequence_parallel_option_and_flag():
+    opts = config.SplitOptions(sequence_parallel=2)
+    assert opts.enabled and opts.split == "none"
+    with pytest.raises(ValueError, match="sequence_parallel must be an integer >= 1"):
+        config.SplitOptions(sequence_parallel=0)
+    with pytest.raises(ValueError, match="sequence_parallel and split are separate"):
+        config.SplitOptions(split="auto", sequence_parallel=2)
+    fv = flags.FlagValues()
+    tfdist_flags.define_split_flags(fv)
+    fv(["prog", "--sequence_parallel=4"])
+    assert tfdist_flags.split_options_from_flags(fv).sequence_parallel == 4

@@ -32,3 +32,15 @@ def test_split_bad_input_is_one_clear_line(argv, fragment):
     assert result.returncode != 0
     assert fragment in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.timeout(200)
+def test_train_with_sequence_parallel(tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    result = run_python("-m", "experiments.train", "--strategy=default", "--logical_devices=2",
+                        "--sequence_parallel=2", "--model=transformer", "--dataset=synthetic",
+                        "--epochs=1", "--steps_per_epoch=2", "--global_batch_size=16",
+                        f"--metrics_out={metrics_path}", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Sequence parallel: each sequence cut over 2 devices (CPU:0, CPU:1)" in result.stdout
+    assert json.loads(metrics_path.read_text())["split"]["sequence_parallel"] == 2

@@ -404,6 +404,8 @@ class SplitOptions:
         logical device).
       micro_batches: GPipe micro-batches per batch (M).
       split_balance: what "auto" balances: params, flops or time.
+      sequence_parallel: devices each sequence is cut over (1 = off); not
+        combined with split (a pipeline) in one run.
     """
 
     split: str = dataclasses.field(default="none", metadata={
@@ -415,6 +417,10 @@ class SplitOptions:
         "help": "GPipe micro-batches per batch; the batch size must be a multiple."})
     split_balance: SplitBalance = dataclasses.field(default="params", metadata={
         "help": "What --split=auto balances across stages: params, flops or time."})
+    sequence_parallel: int = dataclasses.field(default=1, metadata={
+        "help": "Cut each sequence over this many devices (transformer blocks: "
+                "MultiHeadAttention, LayerNormalization, Dense); 1 = off. The sequence "
+                "length must be a multiple."})
 
     def __post_init__(self):
         if not isinstance(self.split, str) or not self.split:
@@ -422,6 +428,12 @@ class SplitOptions:
                              f"Received: split={self.split!r}")
         _check_positive_int("stages", self.stages, allow_none=True)
         _check_positive_int("micro_batches", self.micro_batches)
+        _check_positive_int("sequence_parallel", self.sequence_parallel)
+        if self.sequence_parallel > 1 and self.split != "none":
+            raise ValueError(
+                "sequence_parallel and split are separate ways to use several devices; this "
+                f"version runs one at a time. Received: split={self.split!r}, "
+                f"sequence_parallel={self.sequence_parallel}. Drop one of them.")
         if self.split_balance not in SPLIT_BALANCE:
             raise ValueError(f"split_balance must be one of {', '.join(SPLIT_BALANCE)}. "
                              f"Received: split_balance={self.split_balance!r}")
@@ -444,7 +456,7 @@ class SplitOptions:
 
     @property
     def enabled(self) -> bool:
-        return self.split != "none"
+        return self.split != "none" or self.sequence_parallel > 1
 
 
 # --- auto (cost model / planner) ---------------------------------------------------

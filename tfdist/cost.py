@@ -71,9 +71,17 @@ def parse_bytes(text: str | float | int, *, what: str = "memory") -> int:
                 f"{what} must be a size such as 80GB, 16GiB or 512MB. Received: {what}={text!r}"
             )
         value = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
-    if not math.isfinite(value) or value <= 0:
+    _check_finite(what, value, text, example="80GB")
+    if value <= 0:
         raise ValueError(f"{what} must be > 0. Received: {what}={text!r}")
     return int(value)
+
+
+def _check_finite(what: str, value: float, text: Any, *, example: str) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number such as {example}; {text!r} is "
+                         f"{'not a number' if math.isnan(value) else 'too large to represent'}."
+                         f" Received: {what}={text!r}")
 
 
 def parse_bandwidth(text: str | float | int, *, what: str = "bandwidth") -> float:
@@ -99,7 +107,8 @@ def parse_bandwidth(text: str | float | int, *, what: str = "bandwidth") -> floa
         bits = unit in ("bps", "b/s", "bit/s")
         value = float(match.group(1)) * _RATE_PREFIX[match.group(2).lower()]
         value = value / 8 if bits else value
-    if not math.isfinite(value) or value <= 0:
+    _check_finite(what, value, text, example="25Gbps")
+    if value <= 0:
         raise ValueError(f"{what} must be > 0. Received: {what}={text!r}")
     return value
 
@@ -119,7 +128,8 @@ def parse_duration(text: str | float | int, *, what: str = "latency") -> float:
                 f"{what} must be a duration such as 5us, 0.2ms or 1e-5s. Received: {what}={text!r}"
             )
         value = float(match.group(1)) * _TIME_UNITS[match.group(2) or "s"]
-    if not math.isfinite(value) or value < 0:
+    _check_finite(what, value, text, example="5us")
+    if value < 0:
         raise ValueError(f"{what} must be >= 0. Received: {what}={text!r}")
     return value
 
@@ -387,7 +397,7 @@ class LayerStats:
 
     name: str
     class_name: str
-    output_shape: tuple[int, ...]
+    output_shape: tuple[int | None, ...]
     num_params: int
     activation_elements: int
     forward_flops: float
@@ -403,7 +413,7 @@ class ModelStats:
       non_trainable_bytes: other model state (batch-norm statistics, seeds).
       activation_bytes_per_example: layer outputs kept for the backward pass,
         per example.
-      forward_flops_per_example: matmul/conv FLOPs of one forward pass (a
+      forward_flops_per_example: FLOPs of one forward pass per example (a
         training step is about 3x that).
       layers: per-layer detail (empty when built from a parameter count).
     """
@@ -464,65 +474,33 @@ def _variable_bytes(variables: Iterable[Any]) -> tuple[int, int]:
     return count, total
 
 
-def _shape_tuple(shape: Any) -> tuple[int | None, ...]:
-    return tuple(None if d is None else int(d) for d in shape)
-
-
-def _layer_stats(layer: Any) -> list[LayerStats]:
-    """Stats of a layer; nested models are expanded into their own layers."""
-    if hasattr(layer, "layers") and getattr(layer, "layers", None) and hasattr(layer, "inputs"):
-        out: list[LayerStats] = []
-        for sub in layer.layers:
-            out.extend(_layer_stats(sub))
-        return out
-    if type(layer).__name__ == "InputLayer":
-        return []
-    try:
-        output = layer.output
-    except (AttributeError, ValueError):
-        output = None
-    if output is None:
-        raise ValueError(
-            f"Cannot analyse layer {layer.name!r} ({type(layer).__name__}): it has no symbolic "
-            "output, so its activation size is unknown. Build the model functionally or as a "
-            "Sequential with keras.Input(shape=...), or pass a parameter count "
-            "(ModelStats.from_param_count / tfdist plan --params=...)."
-        )
-    outputs = output if isinstance(output, (list, tuple)) else [output]
-    shapes = [_shape_tuple(o.shape) for o in outputs]
-    for shape in shapes:
-        if any(d is None for d in shape[1:]):
-            raise ValueError(
-                f"Cannot analyse layer {layer.name!r}: its output shape {shape} has unknown "
-                "dimensions besides the batch. Give the model a fully defined input shape, "
-                "e.g. keras.Input(shape=(128, 64))."
-            )
-    elements = sum(math.prod(s[1:]) for s in shapes)
-    num_params, _ = _variable_bytes(layer.trainable_weights)
-    flops = 0.0
-    kernel = getattr(layer, "kernel", None)
-    if kernel is not None and len(shapes) == 1 and len(shapes[0]) >= 2:
-        # Each output position applies the kernel once: 2 FLOPs (multiply, add)
-        # per kernel element per output position; positions = outputs / channels.
-        kernel_size = math.prod(int(d) for d in kernel.shape)
-        out_channels = shapes[0][-1]
-        positions = math.prod(shapes[0][1:]) // max(out_channels, 1)
-        flops = 2.0 * kernel_size * positions
-    return [LayerStats(name=layer.name, class_name=type(layer).__name__,
-                       output_shape=tuple(shapes[0][1:]), num_params=num_params,
-                       activation_elements=elements, forward_flops=flops)]
-
-
-def model_stats(model: Any) -> ModelStats:
-    """Reads a built Keras model: exact variable bytes, estimated activations and FLOPs.
+def model_stats(model: Any, *, input_shapes: Any = None) -> ModelStats:
+    """Reads a built Keras model: exact variable bytes, traced activations and FLOPs.
 
     Parameter, gradient and non-trainable bytes are exact (summed over the
-    model's real variables). Activations are estimated as the sum of every
-    layer's output size (the tensors the backward pass keeps) at the variables'
-    dtype; FLOPs count Dense/Conv/EinsumDense kernels (not attention scores).
+    model's real variables). FLOPs and activations come from tracing the
+    forward pass at the given input shapes, one layer call at a time
+    (`tfdist.flops`): FLOPs count every op the pass runs (matmuls, einsums,
+    convolutions, element-wise arithmetic), inside custom layers too;
+    activations are the outputs of every layer call (the tensors the backward
+    pass keeps), at the variables' dtype. Nested models are expanded into
+    their layers.
+
+    Args:
+      model: a built Functional or Sequential keras.Model (KerasHub models
+        included).
+      input_shapes: shapes of one example's inputs without the batch
+        dimension, where the model leaves dimensions unknown (text models: the
+        sequence length): a tuple for one input, a list in input order, or
+        {input name: shape}, e.g. {"token_ids": (128,), "padding_mask": (128,)}.
 
     Raises:
-      ValueError: the model is not built, or a layer's output shape is unknown.
+      ValueError: the model is not built, is subclassed (no graph to read), or
+        has unknown input dimensions and no `input_shapes` (naming the input).
+
+    Example:
+      >>> stats = tfdist.model_stats(gpt2, input_shapes={"token_ids": (128,),
+      ...                                                "padding_mask": (128,)})
     """
     if not hasattr(model, "trainable_variables") or not hasattr(model, "layers"):
         raise ValueError(
@@ -538,17 +516,47 @@ def model_stats(model: Any) -> ModelStats:
     if num_params == 0:
         raise ValueError(f"Model {model.name!r} has no trainable variables: nothing to train.")
     _, non_trainable_bytes = _variable_bytes(model.non_trainable_variables)
-    layers: list[LayerStats] = []
-    for layer in model.layers:
-        layers.extend(_layer_stats(layer))
+    from tfdist import flops
+    from tfdist.compat import keras_graph
+    from tfdist.split import graph as graph_lib
+
+    if keras_graph.functional_of(model) is None:
+        raise ValueError(
+            f"Cannot analyse subclassed model {model.name!r} ({type(model).__name__}): its "
+            "layers have no symbolic graph, so their outputs and FLOPs are unknown. Build the "
+            "model functionally or as a Sequential with keras.Input(shape=...), or pass a "
+            "parameter count (ModelStats.from_param_count / tfdist plan --params=...).")
+    graph = graph_lib.flatten(model)
+    costs = flops.trace_costs(graph, input_shapes)
     dtype_bytes = trainable_bytes // num_params
-    activation_elements = sum(layer.activation_elements for layer in layers)
+    per_layer: dict[str, list] = {name: [0, 0.0, None] for name in graph.layers}
+    current = next(iter(graph.layers), None)
+    for node, node_cost in zip(graph.nodes, costs):
+        if node.layer is not None and node.first_call:
+            current = node.layer
+            per_layer[current][2] = node_cost.output_shapes[0] if node_cost.output_shapes \
+                else ()
+        if current is None:
+            continue
+        # a keras op (x + y) or a shared layer's later call counts for the layer before it
+        per_layer[current][0] += node_cost.output_elements
+        per_layer[current][1] += node_cost.flops
+    seen: set[int] = set()
+    layers = []
+    for name, layer in graph.layers.items():
+        own = [w for w in layer.trainable_weights if id(w) not in seen]
+        seen.update(id(w) for w in layer.weights)
+        elements, layer_flops, shape = per_layer[name]
+        layers.append(LayerStats(
+            name=name, class_name=type(layer).__name__, output_shape=tuple(shape or ()),
+            num_params=_variable_bytes(own)[0], activation_elements=int(elements),
+            forward_flops=float(layer_flops)))
     return ModelStats(
         num_params=num_params,
         trainable_bytes=trainable_bytes,
         non_trainable_bytes=non_trainable_bytes,
-        activation_bytes_per_example=activation_elements * dtype_bytes,
-        forward_flops_per_example=sum(layer.forward_flops for layer in layers),
+        activation_bytes_per_example=sum(l.activation_elements for l in layers) * dtype_bytes,
+        forward_flops_per_example=sum(c.flops for c in costs),
         layers=tuple(layers),
     )
 
@@ -587,7 +595,7 @@ def replica_memory(stats: ModelStats, *, per_replica_batch_size: int,
     Args:
       stats: the model (`model_stats(model)` or `ModelStats.from_param_count`).
       per_replica_batch_size: examples each replica processes per step.
-      optimizer: an `OptimizerState` or an optimizer name.
+      optimizer: an `OptimizerState`, an optimizer name or a Keras optimizer.
       state_shards: divide gradients and optimizer slots over this many
         devices (ZeRO stage 2 style; 1 = plain data parallelism).
       stages: pipeline stages the model is split into (balanced); each device
@@ -599,8 +607,8 @@ def replica_memory(stats: ModelStats, *, per_replica_batch_size: int,
     _check_positive("per_replica_batch_size", per_replica_batch_size, integer=True)
     _check_positive("state_shards", state_shards, integer=True)
     _check_positive("stages", stages, integer=True)
-    if isinstance(optimizer, str):
-        optimizer = optimizer_state(optimizer)
+    if not isinstance(optimizer, OptimizerState):
+        optimizer = optimizer_state(optimizer)  # a name or a Keras optimizer
     slots = optimizer.slots_per_variable * stats.trainable_bytes
     return MemoryEstimate(
         parameters=math.ceil(stats.trainable_bytes / stages),

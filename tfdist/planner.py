@@ -31,6 +31,115 @@ MAX_STAGES = 64
 TARGET_BUBBLE = 0.2
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Options of a data-parallel preset that change its memory or traffic.
+
+    The planner costs each variant for every data-parallel preset whose options
+    class has the option; it may recommend it only where the installed preset
+    accepts those options (`tfdist.make_options(preset, **options)` succeeds),
+    so a variant becomes recommendable the moment the feature is installed.
+
+    Attributes:
+      options: the preset options, e.g. (("shard", "optimizer"),).
+      summary: what it does, for the reasons.
+      state: which per-replica state is divided over the N replicas:
+        "optimizer" (ZeRO-1), "gradients" (ZeRO-2: and gradients), "parameters"
+        (ZeRO-3: and parameters, one layer gathered at a time), "offload"
+        (optimizer slots on the host: none on the device).
+      traffic: bytes moved per step relative to a ring all-reduce of the
+        gradients (ZeRO-3 gathers the weights in the forward and the backward
+        pass: 1.5; fp16/bf16 gradients: 0.5).
+      host_traffic: gradient bytes per step over the host link, per replica
+        share (offload: gradients down and weights up: 2).
+    """
+
+    options: tuple[tuple[str, str], ...]
+    summary: str
+    state: str = ""
+    traffic: float = 1.0
+    host_traffic: float = 0.0
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant((("shard", "optimizer"),), "optimizer slots sharded over the replicas (ZeRO-1)",
+            state="optimizer"),
+    Variant((("shard", "gradients"),), "optimizer slots and gradients sharded (ZeRO-2)",
+            state="gradients"),
+    Variant((("shard", "parameters"),), "slots, gradients and weights sharded, weights "
+            "gathered one layer at a time (ZeRO-3)", state="parameters", traffic=1.5),
+    Variant((("shard", "optimizer"), ("offload", "optimizer")),
+            "optimizer slots and update on the host (ZeRO-Offload)", state="offload",
+            host_traffic=2.0),
+    Variant((("gradient_compression", "bf16"),), "gradients all-reduced in bfloat16",
+            traffic=0.5),
+    Variant((("gradient_compression", "fp16"),), "gradients all-reduced in float16",
+            traffic=0.5),
+)
+
+
+def variant_available(preset: str, variant: Variant) -> bool:
+    """True when this installation's `preset` accepts the variant's options."""
+    from tfdist import strategies
+
+    if preset not in strategies.available_presets():
+        return False
+    try:
+        strategies.make_options(preset, **dict(variant.options))
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+ATTENTION_CLASSES = ("MultiHeadAttention", "CachedMultiHeadAttention")
+
+
+def _sequence_parallel_candidates(stats, cluster, batch, opt, device) -> list:
+    """One device's batch with every sequence cut over the machine's devices.
+
+    Only for models with attention layers (tfdist.split.sequence_parallel):
+    weights, gradients and optimizer state stay whole on each device; the
+    activations are divided by N; each attention layer all-gathers its
+    key/value input ((N-1)/N of it per device).
+    """
+    n = cluster.machine.num_devices
+    attention = [l for l in stats.layers if l.class_name in ATTENTION_CLASSES]
+    if n < 2 or not attention:
+        return []
+    base = cost.replica_memory(stats, per_replica_batch_size=batch, optimizer=opt)
+    memory = dataclasses.replace(base, activations=math.ceil(base.activations / n))
+    bytes_per_element = stats.activation_bytes_per_example / max(
+        1, sum(l.activation_elements for l in stats.layers))
+    gathered = sum(l.activation_elements for l in attention) * bytes_per_element * batch
+    traffic = gathered * (n - 1) / n
+    return [Candidate(
+        preset="default", num_replicas=1, per_replica_batch_size=batch, memory=memory,
+        device_memory=device.memory, communication_bytes=traffic,
+        communication_time=traffic * cluster.machine.link.seconds_per_byte,
+        registered=True, options=(("sequence_parallel", str(n)),),
+        note=f"each sequence cut over {n} devices: activations 1/{n} per device, attention "
+             "gathers keys/values")]
+
+
+def _variant_memory(base: cost.MemoryEstimate, variant: Variant, replicas: int,
+                    stats: cost.ModelStats, opt: cost.OptimizerState) -> cost.MemoryEstimate:
+    n = replicas
+    slots = base.optimizer - opt.scalar_bytes
+    memory = base
+    if variant.state in ("optimizer", "gradients", "parameters"):
+        memory = dataclasses.replace(memory, optimizer=math.ceil(slots / n) + opt.scalar_bytes)
+    if variant.state in ("gradients", "parameters"):
+        memory = dataclasses.replace(memory, gradients=math.ceil(base.gradients / n))
+    if variant.state == "parameters":
+        bytes_per_param = stats.trainable_bytes / stats.num_params
+        largest = max((layer.num_params for layer in stats.layers), default=0) * bytes_per_param
+        memory = dataclasses.replace(
+            memory, parameters=math.ceil(base.parameters / n + largest))
+    if variant.state == "offload":
+        memory = dataclasses.replace(memory, optimizer=opt.scalar_bytes)
+    return memory
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One costed configuration.
@@ -60,6 +169,14 @@ class Candidate:
     compute_time: float | None = None
     registered: bool = True
     note: str = ""
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The preset with its options: 'mirrored[shard=optimizer]'."""
+        if not self.options:
+            return self.preset
+        return f"{self.preset}[{','.join(f'{k}={v}' for k, v in self.options)}]"
 
     @property
     def fits(self) -> bool:
@@ -83,6 +200,7 @@ class Candidate:
             "communication_time": self.communication_time,
             "compute_time": self.compute_time, "step_time": self.step_time,
             "registered": self.registered, "note": self.note,
+            "options": dict(self.options), "name": self.name,
         }
 
 
@@ -124,6 +242,8 @@ class Plan:
       optimizer: the optimizer state assumed.
       candidates: every configuration considered, costed and memory-checked.
       recommended: a preset name, or None when nothing fits.
+      recommended_options: the preset options that make it fit or faster
+        (e.g. (("shard", "optimizer"),)); empty for the preset's defaults.
       reasons: why, in sentences with the numbers.
       split: a pipeline split, when the model does not fit one device.
     """
@@ -136,6 +256,7 @@ class Plan:
     recommended: str | None
     reasons: tuple[str, ...]
     split: SplitSuggestion | None = None
+    recommended_options: tuple[tuple[str, str], ...] = ()
 
     def candidate(self, preset: str) -> Candidate:
         """The candidate for `preset`.
@@ -149,10 +270,19 @@ class Plan:
         raise ValueError(f"No candidate {preset!r} in this plan. Candidates: "
                          f"{', '.join(c.preset for c in self.candidates)}.")
 
+    def candidate_named(self, name: str) -> Candidate:
+        """The candidate whose `name` (preset[options]) is `name`."""
+        for candidate in self.candidates:
+            if candidate.name == name:
+                return candidate
+        raise ValueError(f"No candidate {name!r} in this plan. Candidates: "
+                         f"{', '.join(c.name for c in self.candidates)}.")
+
     def as_dict(self) -> dict[str, Any]:
         machine = self.cluster.machine
         return {
             "recommended": self.recommended,
+            "recommended_options": dict(self.recommended_options),
             "reasons": list(self.reasons),
             "split": None if self.split is None else self.split.as_dict(),
             "global_batch_size": self.global_batch_size,
@@ -190,12 +320,17 @@ def _stage_partition(stats: cost.ModelStats, stages: int, *, batch: int,
                      ) -> tuple[tuple[int, ...], cost.MemoryEstimate] | None:
     """Contiguous layer groups minimising the fullest stage's bytes.
 
+    The cut is `tfdist.split.plan.balance_contiguous`, the same exact
+    partitioner `tfdist.split.plan_balanced` uses, here with each layer's
+    bytes as its cost: its parameters x (weights + gradients + optimizer
+    slots) + its outputs x batch. Every stage is charged the optimizer's
+    scalars and all non-trainable state (an upper bound).
+
     Returns (first layer index of each stage, memory of the fullest stage), or
-    None when there are fewer layers than stages. Per layer: its parameters x
-    (weights + gradients + optimizer slots) + its outputs x batch. Every stage
-    is charged the optimizer's scalars and all non-trainable state (an upper
-    bound).
+    None when there are fewer layers than stages.
     """
+    from tfdist.split.plan import balance_contiguous  # plain Python, no TensorFlow
+
     layers = stats.layers
     if len(layers) < stages:
         return None
@@ -207,34 +342,8 @@ def _stage_partition(stats: cost.ModelStats, stages: int, *, batch: int,
         + layer.activation_elements * act_bytes * batch
         for layer in layers
     ]
-
-    def greedy(limit: float) -> list[int] | None:
-        starts, current = [0], 0.0
-        for i, w in enumerate(weights):
-            if w > limit:
-                return None
-            if current + w > limit:
-                starts.append(i)
-                current = 0.0
-            current += w
-        return starts
-
-    low, high = 0.0, sum(weights)
-    for _ in range(60):  # binary search on the fullest stage's bytes
-        mid = (low + high) / 2
-        starts = greedy(mid)
-        if starts is not None and len(starts) <= stages:
-            high = mid
-        else:
-            low = mid
-    starts = greedy(high)
-    if starts is None:  # pragma: no cover - high = sum(weights) always succeeds
-        raise AssertionError("stage partition failed")
-    while len(starts) < stages:  # use exactly `stages` groups: halve the longest
-        ends = starts[1:] + [len(layers)]
-        sizes = [e - s for s, e in zip(starts, ends)]
-        i = max(range(len(starts)), key=lambda j: sizes[j])
-        starts.insert(i + 1, starts[i] + sizes[i] // 2)
+    stage_of = balance_contiguous(weights, [1.0] * stages)
+    starts = [i for i, s in enumerate(stage_of) if i == 0 or stage_of[i - 1] != s]
     ends = starts[1:] + [len(layers)]
     s, e = max(zip(starts, ends), key=lambda se: sum(weights[se[0]:se[1]]))
     params = sum(layer.num_params for layer in layers[s:e]) * bytes_per_param
@@ -257,7 +366,7 @@ def _micro_batches(stages: int, batch: int) -> int:
 def plan(model: Any = None, *, global_batch_size: int,
          machine: cost.Machine | cost.Cluster | None = None,
          optimizer: Any = None, stats: cost.ModelStats | None = None,
-         num_ps: int | None = None) -> Plan:
+         num_ps: int | None = None, input_shapes: Any = None) -> Plan:
     """Costs every strategy for `model` on `machine` and recommends one.
 
     Args:
@@ -292,7 +401,7 @@ def plan(model: Any = None, *, global_batch_size: int,
         if model is None:
             raise ValueError("plan() needs a model: pass a built keras.Model or "
                              "stats=tfdist.cost.ModelStats.from_param_count(num_params).")
-        stats = cost.model_stats(model)
+        stats = cost.model_stats(model, input_shapes=input_shapes)
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
             or global_batch_size < 1:
         raise ValueError(f"global_batch_size must be an integer >= 1. "
@@ -373,6 +482,24 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                   if per_worker is not None else
                   f"global batch {batch} does not divide over {h} workers")))
 
+    for base in [c for c in candidates
+                 if c.preset in ("mirrored", "multi_worker_mirrored") and c.memory is not None]:
+        link = cluster.machine.link if base.preset == "mirrored" else cluster.slowest_link
+        for variant in VARIANTS:
+            registered_variant = variant_available(base.preset, variant)
+            host = variant.host_traffic * k / base.num_replicas
+            traffic = variant.traffic * base.communication_bytes + host
+            candidates.append(dataclasses.replace(
+                base, options=variant.options, registered=registered_variant,
+                memory=_variant_memory(base.memory, variant, base.num_replicas, stats, opt),
+                communication_bytes=traffic,
+                communication_time=variant.traffic * base.communication_time
+                + host * link.seconds_per_byte,
+                note=variant.summary + ("" if registered_variant else
+                                        " (not available in this installation)")))
+
+    candidates.extend(_sequence_parallel_candidates(stats, cluster, batch, opt, device))
+
     reasons: list[str] = []
     per_example_act = stats.activation_bytes_per_example
     reasons.append(
@@ -384,8 +511,36 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
     fitting = [c for c in candidates if c.fits]
     split: SplitSuggestion | None = None
     recommended: str | None = None
-    sync = [c for c in fitting if c.preset in ("default", "mirrored", "multi_worker_mirrored")]
-    if sync:
+    recommended_options: tuple[tuple[str, str], ...] = ()
+    sync_presets = ("default", "mirrored", "multi_worker_mirrored")
+    sync = [c for c in fitting if c.preset in sync_presets and not c.options]
+    variants = [c for c in fitting if c.preset in sync_presets and c.options and c.registered]
+    if any(not c.options and c.preset in ("mirrored", "multi_worker_mirrored")
+           for c in fitting):  # data parallelism fits: sequence parallelism is not needed
+        variants = [c for c in variants if "sequence_parallel" not in dict(c.options)]
+    if not sync and variants:
+        # Cheapest variant that fits: the fastest estimated step, else the least traffic,
+        # else the fewest changes (table order).
+        best = min(variants, key=lambda c: (
+            c.step_time if c.step_time is not None else 0.0, c.communication_bytes,
+            candidates.index(c)))
+        recommended, recommended_options = best.preset, best.options
+        plain = next(c for c in candidates if c.preset == best.preset and not c.options)
+        how = (f"tfdist.split.sequence_parallel(model, devices=<{dict(best.options)['sequence_parallel']} "
+               "devices>) (flag --sequence_parallel)" if "sequence_parallel" in dict(best.options)
+               else f"tfdist.make_strategy({best.preset!r}, "
+               f"{', '.join(f'{k}={v!r}' for k, v in best.options)})")
+        reasons.append(
+            f"{best.preset} does not fit as it is (needs {cost.format_bytes(plain.memory.total)}"
+            f" per device of {cost.format_bytes(best.device_memory)}), but with "
+            f"{', '.join(f'{k}={v!r}' for k, v in best.options)} ({best.note}) each of its "
+            f"{best.num_replicas} replicas needs {cost.format_bytes(best.memory.total)} "
+            f"(weights {cost.format_bytes(best.memory.parameters)}, gradients "
+            f"{cost.format_bytes(best.memory.gradients)}, optimizer "
+            f"{cost.format_bytes(best.memory.optimizer)}, activations "
+            f"{cost.format_bytes(best.memory.activations)}) and moves "
+            f"{cost.format_bytes(best.communication_bytes)} per step. Apply it with {how}.")
+    elif sync:
         best = _choose(sync)
         recommended = best.preset
         reasons.append(_why(best, cluster, sync))
@@ -398,12 +553,17 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                     "each server per round of steps, growing with the number of workers, "
                     "while the ring's per-rank traffic "
                     f"({cost.format_bytes(best.communication_bytes)}) does not.")
-        unfit = [c for c in candidates if c.memory is not None and not c.fits]
+        unfit = [c for c in candidates if c.memory is not None and not c.fits and not c.options]
         for c in unfit:
             reasons.append(f"{c.preset} is ruled out: needs {cost.format_bytes(c.memory.total)} "
                            f"per device, has {cost.format_bytes(c.device_memory)}.")
-    else:
-        smallest = min((c for c in candidates if c.memory is not None),
+    if recommended is None:
+        unavailable = [c for c in fitting if c.options and not c.registered]
+        if unavailable:
+            reasons.append(
+                "Would fit with " + ", ".join(c.name for c in unavailable[:4])
+                + ", which this installation's presets do not offer: not recommended.")
+        smallest = min((c for c in candidates if c.memory is not None and not c.options),
                        key=lambda c: c.memory.total, default=None)
         if smallest is not None:
             m = smallest.memory
@@ -430,7 +590,7 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                 communication_bytes=cost.ring_allreduce_bytes_per_rank(stage_grads, groups),
                 communication_time=cost.ring_allreduce_time(stage_grads, groups,
                                                             cluster.slowest_link),
-                registered=_split_registered(registered),
+                registered=True,  # tfdist.split_model ships with tfdist
                 note=f"{split.stages} pipeline stages x {split.data_parallel_groups} "
                      "data-parallel group(s)"))
             where = (f"pipeline stages starting at layers {list(split.stage_boundaries)}"
@@ -449,21 +609,12 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
             reasons.append(
                 f"Even split over all {n} devices the model does not fit: use a smaller "
                 "global batch, an optimizer with fewer slots (SGD keeps none), more or "
-                "larger devices, or shard optimizer state (ZeRO; "
+                "larger devices, or shard the training state over more replicas (ZeRO: "
                 f"{cost.zero_bytes_per_param(n, 3):.2f} bytes/parameter at stage 3 over "
-                f"{n} devices, which tfdist does not implement).")
+                f"{n} devices for mixed-precision Adam).")
     return Plan(stats=stats, cluster=cluster, global_batch_size=batch, optimizer=opt,
                 candidates=tuple(candidates), recommended=recommended,
-                reasons=tuple(reasons), split=split)
-
-
-def _split_registered(registered: Sequence[str]) -> bool:
-    # Splitting is not a strategy preset: it is applied with tfdist.split_model
-    # (composing with data-parallel replicas), which ships with tfdist.split.
-    import importlib.util
-
-    return (importlib.util.find_spec("tfdist.split") is not None
-            or any("split" in name or "pipeline" in name for name in registered))
+                reasons=tuple(reasons), split=split, recommended_options=recommended_options)
 
 
 def _find_split(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,

@@ -368,6 +368,8 @@ def _auto(options: config_lib.AutoOptions):
             "Use a tfdist version that provides it, or pick a preset explicitly "
             "(--strategy=NAME) and unset TF_CONFIG if it is not meant for this process."
         )
-    logger.info("tfdist: auto chose preset %r because %s.", name, reason)
+    # WARNING: the one level Python shows without any logging set-up; the logger's
+    # name already says tfdist.
+    logger.warning("auto chose preset %r because %s.", name, reason)
     chosen = get_preset(name)
     return chosen.factory(chosen.options())

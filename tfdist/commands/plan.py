@@ -1,6 +1,9 @@
 """`tfdist plan`: cost a model on a machine or cluster and recommend a preset.
 
     tfdist plan --model=mlp --global_batch_size=512            # this machine
+    tfdist plan --model=ResNet50 --input_shape=224,224,3       # keras.applications, no weights
+    tfdist plan --model=my_pkg.models:build_gpt --input_shape=token_ids:512,padding_mask:512
+    tfdist plan --model=trained.keras --devices=8 --device_memory=80GB --bandwidth=300GB/s
     tfdist plan --params=7e9 --devices=8 --device_memory=80GB \\
         --bandwidth=300GB/s --latency=5us --global_batch_size=512
     tfdist plan --params=1.3B --machines=4 --devices=8 --device_memory=40GB \\
@@ -22,10 +25,15 @@ from absl import flags
 from tfdist import cost, planner
 
 _MODEL = flags.DEFINE_string(
-    "model", None, "Example model from models/ to plan for (mlp, cnn, transformer, ...: any "
-    "models.build_<name>). Exclusive with --params.")
+    "model", None, "The model to plan for: an example model from models/ (mlp, cnn, "
+    "transformer), your own as package.module:function (called with no arguments, returns a "
+    "built keras.Model), a saved .keras file, or a keras.applications name such as ResNet50 "
+    "(built with weights=None: nothing is downloaded). Exclusive with --params.")
 _INPUT_SHAPE = flags.DEFINE_list(
-    "input_shape", ["28", "28", "1"], "With --model: the input shape of one example.")
+    "input_shape", None, "With --model: one example's input shape without the batch, e.g. "
+    "28,28,1 (example models and keras.applications are built with it; default 28,28,1 and "
+    "the application's own), or the lengths a text model's unknown dimensions take, per "
+    "input as name:dims with x between dimensions, e.g. token_ids:512,padding_mask:512.")
 _NUM_CLASSES = flags.DEFINE_integer("num_classes", 10, "With --model: the number of classes.")
 _PARAMS = flags.DEFINE_string(
     "params", None, "Trainable parameter count instead of a model: 7e9, 7B, 350M, 125000.")
@@ -72,7 +80,10 @@ def parse_count(text: str, *, what: str) -> float:
         value = float(raw[:-1] if unit else raw) * _SUFFIX[unit]
     except (ValueError, KeyError):
         value = float("nan")
-    if not value > 0 or value == float("inf"):
+    if value == float("inf"):
+        raise ValueError(f"{what} must be a finite number such as 7e9, 7B, 350M or 125000; "
+                         f"{text!r} is too large to represent. Received: {what}={text!r}")
+    if not value > 0:
         raise ValueError(f"{what} must be a positive number such as 7e9, 7B, 350M or 125000. "
                          f"Received: {what}={text!r}")
     return value
@@ -166,6 +177,9 @@ def _stats():
         raise ValueError("Pass exactly one of --model=NAME (from models/) or --params=N. "
                          f"Received: --model={_MODEL.value!r}, --params={_PARAMS.value!r}.")
     if _PARAMS.value is not None:
+        if _INPUT_SHAPE.value is not None:
+            raise ValueError("--input_shape goes with --model. Received: --params and "
+                             f"--input_shape={','.join(_INPUT_SHAPE.value)}.")
         return cost.ModelStats.from_param_count(
             int(parse_count(_PARAMS.value, what="params")),
             activation_bytes_per_example=0 if _ACTIVATIONS.value is None else cost.parse_bytes(
@@ -177,23 +191,124 @@ def _stats():
         if value is not None:
             raise ValueError(f"--{name} goes with --params; with --model it is read from the "
                              f"model. Received: --{name}={value!r}.")
-    return cost.model_stats(_build_model(_MODEL.value))
+    shape, per_input = parse_input_shape(_INPUT_SHAPE.value)
+    model, built_with_shape = load_model(_MODEL.value, shape, _NUM_CLASSES.value)
+    input_shapes = per_input if per_input is not None else (
+        None if built_with_shape or shape is None else shape)
+    return cost.model_stats(model, input_shapes=input_shapes)
 
 
-def _build_model(name: str):
+def parse_input_shape(value: list[str] | None):
+    """(shape, None) from 28,28,1; (None, {name: shape}) from token_ids:512,mask:512.
+
+    Raises:
+      ValueError: not positive integers, or a mix of both forms.
+    """
+    if value is None:
+        return None, None
+    text = ",".join(value)
+    if any(":" in item for item in value):
+        shapes = {}
+        for item in value:
+            name, _, dims = item.partition(":")
+            try:
+                shape = tuple(int(d) for d in dims.split("x"))
+            except ValueError:
+                shape = ()
+            if not name or not shape or min(shape) < 1 or name in shapes:
+                raise ValueError(
+                    "input_shape per input must be name:dims with positive integers joined by "
+                    f"x, each input once, e.g. token_ids:512,image:32x32x3. Received: "
+                    f"--input_shape={text}")
+            shapes[name] = shape
+        return None, shapes
     try:
-        import models
-    except ImportError:
-        raise ValueError("--model needs the example models package `models/` (run from the "
-                         "tfdist repository root), or pass --params=N.") from None
-    try:
-        shape = tuple(int(d) for d in _INPUT_SHAPE.value)
+        shape = tuple(int(d) for d in value)
     except ValueError:
         shape = ()
     if not shape or min(shape) < 1:
-        raise ValueError("input_shape must be positive integers such as 28,28,1. "
-                         f"Received: --input_shape={','.join(_INPUT_SHAPE.value)}")
-    return models.build_model(name, shape, _NUM_CLASSES.value)
+        raise ValueError("input_shape must be positive integers such as 28,28,1 (or name:dims "
+                         f"per input). Received: --input_shape={text}")
+    return shape, None
+
+
+def load_model(spec: str, shape: tuple | None, num_classes: int):
+    """The model --model names; returns (model, whether it was built with `shape`).
+
+    Raises:
+      ValueError: a spec that names nothing loadable, saying which forms exist.
+    """
+    import importlib
+    import os
+
+    if ":" in spec and not os.path.exists(spec):
+        module_name, _, function = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"--model={spec}: cannot import module {module_name!r} ({error}). "
+                             "Run from the directory that holds it, or put it on PYTHONPATH."
+                             ) from None
+        builder = getattr(module, function, None)
+        if not callable(builder):
+            raise ValueError(f"--model={spec}: module {module_name!r} has no function "
+                             f"{function!r}. Give package.module:function.")
+        try:
+            built = builder()
+        except Exception as error:  # noqa: BLE001 - the user's function failed: say so
+            raise ValueError(f"--model={spec}: calling {function}() failed "
+                             f"({type(error).__name__}: {str(error)[:300]}). It must take no "
+                             "arguments and return a built keras.Model.") from None
+        return _check_model(built, spec), False
+    if spec.endswith((".keras", ".h5")) or os.path.exists(spec):
+        if not os.path.isfile(spec):
+            raise ValueError(f"--model={spec}: no such file. Give a saved .keras file, "
+                             "package.module:function, an example model or a "
+                             "keras.applications name.")
+        import keras
+
+        try:
+            model = keras.saving.load_model(spec, compile=False)
+        except Exception as error:  # noqa: BLE001 - any loading failure, reported the same way
+            raise ValueError(f"--model={spec}: cannot load this file "
+                             f"({type(error).__name__}: {str(error)[:300]}).") from None
+        return _check_model(model, spec), False
+    examples = _example_models()
+    if spec in examples:
+        import models
+
+        return models.build_model(spec, shape or (28, 28, 1), num_classes), True
+    name = spec.removeprefix("keras.applications.")
+    import keras
+
+    application = getattr(keras.applications, name, None)
+    if callable(application) and name[:1].isupper():
+        kwargs = {"weights": None, "classes": num_classes}
+        if shape is not None:
+            kwargs["input_shape"] = shape
+        try:
+            return application(**kwargs), True
+        except ValueError as error:
+            raise ValueError(f"--model={spec}: keras.applications.{name} refused "
+                             f"--input_shape={shape}: {error}") from None
+    known = ", ".join(examples) if examples else "none: the repository's models/ is not importable"
+    raise ValueError(
+        f"Unknown model {spec!r}. Give an example model ({known}), package.module:function, "
+        "a saved .keras file, or a keras.applications name such as ResNet50.")
+
+
+def _example_models() -> list[str]:
+    try:
+        import models
+    except ImportError:
+        return []
+    return list(models.MODELS)
+
+
+def _check_model(model, spec: str):
+    if not hasattr(model, "trainable_variables") or not hasattr(model, "layers"):
+        raise ValueError(f"--model={spec} gave {type(model).__name__}, not a keras.Model.")
+    return model
 
 
 def format_plan(plan: planner.Plan) -> str:
@@ -213,21 +328,22 @@ def format_plan(plan: planner.Plan) -> str:
         f"{cost.format_bytes(plan.stats.trainable_bytes)}; optimizer {plan.optimizer.name} "
         f"({plan.optimizer.slots_per_variable} slot(s)); global batch {plan.global_batch_size}",
         "",
-        f"{'candidate':<22} {'replicas':>8} {'batch/rep':>9} {'memory/dev':>12} {'fits':>4} "
+        f"{'candidate':<44} {'replicas':>8} {'batch/rep':>9} {'memory/dev':>12} {'fits':>4} "
         f"{'comm/step':>12} {'comm time':>10} {'step':>10}",
     ]
     for cand in plan.candidates:
         mem = "-" if cand.memory is None else cost.format_bytes(cand.memory.total)
         step = "-" if cand.step_time is None else cost.format_seconds(cand.step_time)
-        name = cand.preset + ("" if cand.registered else "*")
+        name = cand.name + ("" if cand.registered else "*")
         lines.append(
-            f"{name:<22} {cand.num_replicas:>8} {cand.per_replica_batch_size or '-':>9} "
+            f"{name:<44} {cand.num_replicas:>8} {cand.per_replica_batch_size or '-':>9} "
             f"{mem:>12} {'yes' if cand.fits else 'no':>4} "
             f"{cost.format_bytes(cand.communication_bytes):>12} "
             f"{cost.format_seconds(cand.communication_time):>10} {step:>10}")
     if any(not cand.registered for cand in plan.candidates):
-        lines.append("(* not registered in this installation)")
-    lines += ["", f"recommended: {plan.recommended or 'nothing fits'}"]
+        lines.append("(* not available in this installation: costed, never recommended)")
+    options = "".join(f", {k}={v!r}" for k, v in plan.recommended_options)
+    lines += ["", f"recommended: {plan.recommended or 'nothing fits'}{options}"]
     lines += [f"  - {reason}" for reason in plan.reasons]
     return "\n".join(lines)
 

@@ -172,3 +172,25 @@ def colocate_optimizer_slots(optimizer) -> None:
     _patch.install(OPTIMIZER_SLOTS_FIX)
     with _lock:
         _colocated.add(optimizer)
+
+
+def compiled_loss(model, y, y_pred, sample_weight):
+    """The loss given to `compile()` on (y, y_pred), without `model.losses`.
+
+    Keras's `compute_loss` adds every `add_loss` loss recorded so far, which a
+    pipeline computing one micro-batch's loss at a time must not repeat.
+
+    Raises:
+      CompatError: the model has no `_compile_loss` (Keras changed).
+    """
+    _patch.require_attributes(model, "_compile_loss", what=f"{type(model).__name__} (keras.Model)")
+    if model._compile_loss is None:
+        raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+    return model._compile_loss(y, y_pred, sample_weight)
+
+
+def track_loss(model, loss, batch_size) -> None:
+    """Feeds the step's loss to the model's loss metric (what `fit` reports)."""
+    _check_train_step(model)
+    model._loss_tracker.update_state(_loss_module().unscale_loss_for_distribution(loss),
+                                     sample_weight=batch_size)

@@ -4,9 +4,11 @@
     split.compile("adam", "mse"); split.fit(x, y, batch_size=64)
     print(tfdist.placement_report(split))
 
-Modules: plan (Plan data, no TensorFlow), balance (automatic and rule
-plans), graph (placed clone, cutting into stages), pipeline (SplitModel,
-split_model), tensor_parallel (ShardedDense), report (placement report).
+Modules: plan (Plan data, no TensorFlow; the one contiguous partitioner),
+balance (automatic and rule plans), graph (the model as a flat list of layer
+calls, cut into stages), pipeline (SplitModel, split_model), one_f_one_b (the
+1F1B schedule), tensor_parallel (ShardedDense), sequence_parallel, report
+(placement report).
 Names below load their module on first use, so `tfdist.split.Plan` works
 without importing TensorFlow.
 """
@@ -29,6 +31,10 @@ _EXPORTS = {
     "ShardedDense": "tfdist.split.tensor_parallel",
     "placement_report": "tfdist.split.report",
     "placement_summary": "tfdist.split.report",
+    "describe": "tfdist.split.report",
+    "sequence_parallel": "tfdist.split.sequence_parallel",
+    "SequenceParallelModel": "tfdist.split.sequence_parallel",
+    "check_placement": "tfdist.split.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

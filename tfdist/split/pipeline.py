@@ -1,16 +1,23 @@
-"""GPipe-style pipeline over placed stages, as a keras.Model: `split_model`.
+"""Pipelines over placed stages, as a keras.Model: `split_model`.
 
 Each batch is split into M micro-batches. Micro-batch i runs stage 0 on its
 device, hands the tensors crossing the cut to stage 1 on the next device,
 and so on; the outputs are concatenated back into the full batch, so Keras
 computes the loss on the whole batch exactly as for the unsplit model, and
 gradients (sums over micro-batches) equal the unsplit ones up to fp32
-summation order. By default (schedule="free") TensorFlow's executor runs
-whatever op is ready; with schedule="gpipe", stage k of micro-batch i waits for
-stage k of micro-batch i-1 (control dependencies): each device works through
-its micro-batches in order while the next device consumes them, which is
-what lets stage 1 of micro-batch i overlap stage 0 of micro-batch i+1. The
-backward pass is the reverse pipeline: `tf.gradients` puts every gradient
+summation order.
+
+Schedules:
+- "free" (default): TensorFlow's executor runs whatever op is ready.
+- "gpipe": stage k of micro-batch i waits for stage k of micro-batch i-1
+  (control dependencies): every forward, then every backward.
+- "1f1b": one forward, one backward per stage in steady state (PipeDream-
+  flush / Megatron's 1F1B). Each micro-batch's loss is computed as soon as its
+  forward reaches the last stage and its backward starts there, so a stage
+  holds the activations of at most K - stage micro-batches, not M
+  (tfdist.split.one_f_one_b).
+
+The backward pass is the reverse pipeline: `tf.gradients` puts every gradient
 op on its forward op's device (tfdist.compat.placed_training).
 
 Data parallelism composes: with replicas=R, devices are grouped as R
@@ -21,30 +28,32 @@ replica r runs stage k on devices[r*K + k].
 from __future__ import annotations
 
 import contextlib
-from typing import Literal, Sequence
+import warnings
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 
 from tfdist._tf import import_tensorflow
-from tfdist.compat import placed_training
-from tfdist.split import balance, graph
+from tfdist.compat import keras_graph, placed_training
+from tfdist.split import balance, graph as graph_lib
 from tfdist.split import plan as plan_lib
 
 import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
 import keras  # noqa: E402
 
-Schedule = Literal["gpipe", "free"]
+Schedule = Literal["free", "gpipe", "1f1b"]
+SCHEDULES: tuple[str, ...] = ("free", "gpipe", "1f1b")
 
 
 def _has_batch_statistics(layers) -> list[str]:
     found = []
-    for layer in layers:
+    for name, layer in layers.items():
         if isinstance(layer, keras.layers.BatchNormalization):
-            found.append(layer.name)
+            found.append(name)
         elif any("moving_mean" in w.path or "moving_variance" in w.path
                  for w in layer.non_trainable_weights):
-            found.append(layer.name)
+            found.append(name)
     return found
 
 
@@ -54,26 +63,25 @@ class SplitModel(keras.Model):
     Attributes:
       plan: the Plan (stages for replica 0).
       micro_batches: M.
+      schedule: "free", "gpipe" or "1f1b".
       replicas: R data-parallel replicas (1 = none).
-      stages: the Stage objects (sub-models) in order.
+      stages: the Stage objects in order.
       cuts: tensors crossing each stage boundary.
     """
 
-    def __init__(self, *, functional, plan, stages, cuts, layer_map, source_order,
+    def __init__(self, *, graph, plan, stages, cuts, layer_map, source_order,
                  micro_batches, schedule, replica_devices, strategy, **kwargs):
-        super().__init__(name=kwargs.pop("name", f"{functional.name}_split"), **kwargs)
+        super().__init__(name=kwargs.pop("name", f"{graph.model.name}_split"), **kwargs)
         self.plan = plan
         self.micro_batches = micro_batches
         self.schedule = schedule
         self.stages = stages
         self.cuts = cuts
-        self._stage_models = [s.model for s in stages]  # tracked: weights, save/load
-        self._input_ids = tuple(id(t) for t in functional.inputs)
-        self._input_names = tuple(t.name for t in functional.inputs)
-        self._output_ids = tuple(id(t) for t in functional.outputs)
-        self._single_output = len(functional.outputs) == 1
-        self._layer_map = layer_map          # original layer name -> placed layer
-        self._source_order = source_order    # [(layer name, weight index)] in model.weights order
+        self._graph = graph
+        # Tracked: the placed layers' variables are this model's weights.
+        self._placed = list(layer_map.values())
+        self._layer_map = layer_map          # plan name -> placed layer
+        self._source_order = source_order    # [(plan name, weight index)] in model.weights order
         self.replica_devices = replica_devices  # [[stage devices of replica r], ...]
         self.replicas = len(replica_devices)
         self.strategy = strategy
@@ -93,6 +101,10 @@ class SplitModel(keras.Model):
     def stage_device(self, stage: int, replica: int = 0) -> str:
         return self.replica_devices[replica][stage]
 
+    def device_for_this_replica(self, device: str) -> str:
+        """`device` (a replica-0 stage device) as the replica running now sees it."""
+        return self._map_device(device, self._replica_id())
+
     def _map_device(self, device: str, replica: int) -> str:
         if replica == 0:
             return device
@@ -100,21 +112,21 @@ class SplitModel(keras.Model):
         return self.replica_devices[replica][base.index(device)] if device in base else device
 
     # --- forward --------------------------------------------------------------------------
-    def _flat_inputs(self, inputs):
-        if isinstance(inputs, dict):
-            missing = [n for n in self._input_names if n not in inputs]
-            if missing:
-                raise ValueError(f"Missing inputs {missing}; expected keys {list(self._input_names)}.")
-            return [inputs[n] for n in self._input_names]
-        flat = keras.tree.flatten(inputs)
-        if len(flat) != len(self._input_ids):
-            raise ValueError(f"Expected {len(self._input_ids)} input tensor(s), received {len(flat)}.")
-        return flat
+    def _inputs(self, inputs) -> list:
+        tf = import_tensorflow()
+        flat = self._graph.flat_inputs(inputs)
+        out = []
+        for x, (_, _, dtype) in zip(flat, self._graph.input_specs):
+            x = tf.convert_to_tensor(x)
+            if x.dtype.name != dtype and (x.dtype.is_integer == tf.as_dtype(dtype).is_integer):
+                x = tf.cast(x, dtype)  # e.g. int64 numpy ids into an int32 Input
+            out.append(x)
+        return out
 
     def _micro_split(self, x, training):
         """M equal micro-batches; for inference the batch is padded to a multiple of M.
 
-        Training requires equal micro-batches (GPipe; a partial batch is a
+        Training requires equal micro-batches (a partial batch is a
         data-pipeline mistake worth reporting). Inference accepts any batch
         (evaluate/predict on a dataset's last partial batch): the batch is
         zero-padded to a multiple of M and the padding is cut from the outputs
@@ -141,40 +153,60 @@ class SplitModel(keras.Model):
             x = tf.identity(x)
         return tf.split(x, m, axis=0)
 
+    def micro_batch_inputs(self, inputs, training):
+        """[{input key: micro-batch i of that input}, ...] on stage 0's device."""
+        tf = import_tensorflow()
+        with tf.device(self.stage_device(0, self._replica_id())):
+            flat = self._inputs(inputs)
+            pieces = [self._micro_split(x, training) for x in flat]
+        return [{k: p[i] for k, p in zip(self._graph.input_keys, pieces)}
+                for i in range(self.micro_batches)], flat
+
     def call(self, inputs, training=None):
         tf = import_tensorflow()
         replica = self._replica_id()
-        flat = self._flat_inputs(inputs)
-        with tf.device(self.stage_device(0, replica)):
-            pieces = [self._micro_split(tf.convert_to_tensor(x), training) for x in flat]
-        eager = tf.executing_eagerly()
-        ordered = self.schedule == "gpipe" and not eager and self.micro_batches > 1
+        micro, flat = self.micro_batch_inputs(inputs, training)
+        # 1f1b orders forward and backward together in its own train step.
+        ordered = self.schedule == "gpipe" and not tf.executing_eagerly() \
+            and self.micro_batches > 1
         last_of_stage: list[list] = [[] for _ in self.stages]
         outputs_per_micro = []
-        for i in range(self.micro_batches):
-            values = {tid: p[i] for tid, p in zip(self._input_ids, pieces)}
+        for values in micro:
             for s, stage in enumerate(self.stages):
-                with tf.device(self.stage_device(s, replica)):
-                    args = [values[t] for t in stage.input_ids]
-                    if ordered and last_of_stage[s]:
-                        with tf.control_dependencies(last_of_stage[s]):
-                            args = [tf.identity(a) for a in args]
-                    outs = stage.model(args, training=training)
-                    outs = keras.tree.flatten(outs)
-                    last_of_stage[s] = outs
-                for t, v in zip(stage.output_ids, outs):
-                    values[t] = v
-            outputs_per_micro.append([values[t] for t in self._output_ids])
-        with tf.device(self.stage_device(len(self.stages) - 1, replica)):
+                deps = last_of_stage[s] if ordered else []
+                with tf.device(self.stage_device(s, replica)), tf.control_dependencies(deps):
+                    stage.run(values, training)
+                last_of_stage[s] = [values[k] for k in stage.output_keys
+                                    if tf.is_tensor(values[k])]
+            outputs_per_micro.append([values[k] for k in self._graph.output_keys])
+        outs = self.gather_outputs(outputs_per_micro, flat, training)
+        return self._graph.pack_outputs(outs)
+
+    def gather_outputs(self, outputs_per_micro, flat_inputs, training):
+        tf = import_tensorflow()
+        with tf.device(self.stage_device(len(self.stages) - 1, self._replica_id())):
             if self.micro_batches == 1:
-                outs = outputs_per_micro[0]
-            else:
-                outs = [tf.concat([o[j] for o in outputs_per_micro], axis=0)
-                        for j in range(len(self._output_ids))]
-                if not training:  # drop the inference padding
-                    n = tf.shape(flat[0])[0]
-                    outs = [o[:n] for o in outs]
-        return outs[0] if self._single_output else outs
+                return outputs_per_micro[0]
+            outs = [tf.concat([o[j] for o in outputs_per_micro], axis=0)
+                    for j in range(len(self._graph.output_keys))]
+            if not training:  # drop the inference padding
+                n = tf.shape(flat_inputs[0])[0]
+                outs = [o[:n] for o in outs]
+            return outs
+
+    @property
+    def losses(self):
+        """`add_loss` losses averaged over the micro-batches, plus weight penalties.
+
+        Each micro-batch's forward adds its own losses (a mixture of experts'
+        load-balancing loss, activity regularizers), so their mean over the M
+        micro-batches stands for the batch's (equal to it when the loss is
+        linear in the batch; a load-balancing loss is not exactly).
+        """
+        per_call = keras_graph.call_losses(self)
+        if self.micro_batches > 1:
+            per_call = [loss / self.micro_batches for loss in per_call]
+        return per_call + keras_graph.regularization_losses(self)
 
     # --- training ---------------------------------------------------------------------------
     def compile(self, *args, **kwargs):
@@ -187,6 +219,11 @@ class SplitModel(keras.Model):
             placed_training.colocate_optimizer_slots(self.optimizer)
 
     def train_step(self, data):
+        tf = import_tensorflow()
+        if self.schedule == "1f1b" and not tf.executing_eagerly():
+            from tfdist.split import one_f_one_b
+
+            return one_f_one_b.train_step(self, data)
         return placed_training.placed_train_step(self, data)
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
@@ -218,8 +255,13 @@ class SplitModel(keras.Model):
             layer.set_weights(per_layer[name])
 
     def placed_layers(self) -> dict:
-        """{original layer name: the placed layer} (read its variables' devices)."""
+        """{layer name in the plan: the placed layer} (read its variables' devices)."""
         return dict(self._layer_map)
+
+    @property
+    def layer_graph(self):
+        """The flattened graph (tfdist.split.graph.LayerGraph) the stages run."""
+        return self._graph
 
 
 def check_batch(batch_size: int, micro_batches: int) -> None:
@@ -231,11 +273,11 @@ def check_batch(batch_size: int, micro_batches: int) -> None:
         )
 
 
-def _source_order(model) -> list[tuple[str, int]]:
+def _source_order(model, graph) -> list[tuple[str, int]]:
     owner = {}
-    for layer in graph.source_layers(model):
+    for name, layer in graph.layers.items():
         for i, w in enumerate(layer.weights):
-            owner.setdefault(id(w), (layer.name, i))
+            owner.setdefault(id(w), (name, i))
     order = []
     for w in model.weights:
         if id(w) not in owner:
@@ -245,17 +287,52 @@ def _source_order(model) -> list[tuple[str, int]]:
     return order
 
 
+def _check_devices_arg(devices) -> list[str] | None:
+    if devices is None:
+        return None
+    if isinstance(devices, str):
+        raise ValueError(
+            "devices must be a list of device names, one per stage, e.g. "
+            f"['/cpu:0', '/cpu:1']. Received the string devices={devices!r}. "
+            f"Pass devices=[{devices!r}, ...].")
+    try:
+        devices = list(devices)
+    except TypeError:
+        raise ValueError("devices must be a list of device names such as ['/cpu:0', '/cpu:1']. "
+                         f"Received: devices={devices!r}") from None
+    if not devices:
+        raise ValueError("devices must name at least one device. Received: devices=[]")
+    canon = [plan_lib.canonical_device(d) for d in devices]
+    seen, dups = set(), []
+    for given, c in zip(devices, canon):
+        if c in seen and given not in dups:
+            dups.append(given)
+        seen.add(c)
+    if dups:
+        raise ValueError(
+            f"Each device may appear once in devices (each is one pipeline stage or replica). "
+            f"Received: devices={devices!r}; repeated: {dups}. To put several layers on one "
+            "device, give fewer stages, or write a Plan.")
+    return canon
+
+
 def split_model(model, *, devices: Sequence[str] | None = None,
                 plan: plan_lib.Plan | None = None, micro_batches: int = 1,
-                num_stages: int | None = None, balance_by: str = "params",
+                num_stages: int | None = None, balance_by: str | None = None,
                 device_weights: Sequence[float] | None = None, replicas: int = 1,
-                tensor_parallel: dict | None = None, schedule: Schedule = "free",
+                tensor_parallel: Mapping | None = None, schedule: Schedule = "free",
                 input_shape: Sequence[int] | None = None) -> SplitModel:
     """Runs a Keras model's layers on several devices, pipelined over micro-batches.
 
-    The returned model is a keras.Model holding new variables on the planned
-    devices, initialised from `model`'s weights (the original is not
-    changed); `split.get_weights()` lists them in `model.get_weights()` order.
+    The split runs the model's own layers: their variables are moved to the
+    planned devices (the Keras variable objects stay the same), so `model`
+    and the returned SplitModel share their weights: train the split, then
+    `model.save(...)` saves the trained weights. Nested Functional and
+    Sequential models (a KerasHub backbone inside its task model) are
+    flattened so their layers can go to different stages; their layers are
+    named "<nested model>/<layer>" in the plan. A layer called twice (tied
+    embeddings) keeps its variables on its first call's stage; later calls
+    read them across devices.
 
     Args:
       model: a built Sequential or Functional model, or a subclassed model
@@ -263,16 +340,17 @@ def split_model(model, *, devices: Sequence[str] | None = None,
       devices: the devices, e.g. ["/cpu:0", "/cpu:1"]. With replicas=R, R*K
         devices grouped as R replicas x K stages. Default: the plan's devices.
       plan: a Plan (layer -> device). Default: plan_balanced over `devices`.
-      micro_batches: M; each batch must divide into M equal micro-batches.
+      micro_batches: M; each training batch must divide into M equal micro-batches.
       num_stages: K for the automatic plan (default: len(devices) / replicas).
-      balance_by: "params", "flops" or "time" (automatic plan only).
-      device_weights: relative speed of each stage's device (automatic plan).
+      balance_by: "params" (default), "flops" or "time" (automatic plan only).
+      device_weights: relative speed of each stage's device (automatic plan only).
       replicas: data-parallel replicas (MirroredStrategy), each a full pipeline.
-      tensor_parallel: {layer name: ("column"|"row", [devices])} Dense layers to
-        split across devices (added to the plan).
-      schedule: "free" (default: TensorFlow's executor runs any ready op, which
-        also fills the bubble with independent backward work) or "gpipe" (each
-        stage processes micro-batches strictly in order; measured slower).
+      tensor_parallel: {layer name: ("column"|"row", [devices])} Dense or
+        MultiHeadAttention layers to split across devices (added to the plan).
+      schedule: "free" (default: TensorFlow's executor runs any ready op),
+        "gpipe" (each stage processes micro-batches strictly in order) or
+        "1f1b" (one forward, one backward per stage in steady state: at most
+        K micro-batches of activations in flight instead of M; needs M >= K).
       input_shape: input shape without batch for subclassed models that were
         never called symbolically.
 
@@ -280,8 +358,9 @@ def split_model(model, *, devices: Sequence[str] | None = None,
       A SplitModel: compile() and fit() it like the original.
 
     Raises:
-      ValueError: unknown devices, fewer layers than stages, a plan that does
-        not match the model or cannot cut it, BatchNormalization with M > 1.
+      ValueError: unknown or repeated devices, fewer layers than stages, a plan
+        that does not match the model or cannot cut it, options that conflict
+        with `plan=`, BatchNormalization with M > 1, "1f1b" with M < K.
 
     Example:
       >>> split = tfdist.split_model(model, devices=["/cpu:0", "/cpu:1"], micro_batches=8)
@@ -294,10 +373,25 @@ def split_model(model, *, devices: Sequence[str] | None = None,
         raise ValueError(f"micro_batches must be an integer >= 1. Received: micro_batches={micro_batches!r}")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1. Received: replicas={replicas!r}")
-    if schedule not in ("gpipe", "free"):
-        raise ValueError(f"schedule must be 'gpipe' or 'free'. Received: schedule={schedule!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}. "
+                         f"Received: schedule={schedule!r}")
+    if plan is not None and not isinstance(plan, plan_lib.Plan):
+        raise ValueError(
+            "plan must be a tfdist.split.Plan (e.g. Plan.from_dict({'dense': '/cpu:0', ...}) "
+            f"or Plan.load(path)). Received: {type(plan).__name__} {plan!r:.80}")
+    if plan is not None:
+        ignored = {k: v for k, v in (("num_stages", num_stages), ("balance_by", balance_by),
+                                      ("device_weights", device_weights)) if v is not None}
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)} shape the automatic plan; with plan= given they would "
+                f"be ignored. Received: plan=<{plan.num_stages} stages>, "
+                + ", ".join(f"{k}={v!r}" for k, v in ignored.items())
+                + ". Drop them, or drop plan= to let split_model balance the layers.")
+    devices = _check_devices_arg(devices)
+    graph = graph_lib.flatten(model, input_shape=input_shape)
     if devices is not None:
-        devices = [plan_lib.canonical_device(d) for d in devices]
         devices_lib.resolve_devices(devices)  # raises for devices this process lacks
         if len(devices) % replicas:
             raise ValueError(
@@ -312,16 +406,27 @@ def split_model(model, *, devices: Sequence[str] | None = None,
             raise ValueError(
                 f"num_stages={k} but {len(stage_devices)} device(s) per replica were given "
                 f"({stage_devices}). Give one device per stage.")
-        plan = balance.plan_balanced(model, k, by=balance_by, device_weights=device_weights,
-                                     devices=stage_devices)
-    plan = plan_lib.in_model_order(plan, graph.layer_names(model))
+        plan = balance.plan_balanced(graph, k, by=balance_by or "params",
+                                     device_weights=device_weights, devices=stage_devices)
+    plan = plan_lib.in_model_order(plan, graph.layer_names)
     if tensor_parallel:
         plan = plan.replace(tensor_parallel=tensor_parallel)
     devices_lib.resolve_devices(list(plan.devices))
     stage_devices = [d for d, _ in plan.stages]
+    if schedule == "1f1b" and micro_batches < len(stage_devices):
+        raise ValueError(
+            f"schedule='1f1b' needs at least as many micro-batches as stages (its steady state "
+            f"runs one forward and one backward per stage). Received: micro_batches="
+            f"{micro_batches} for {len(stage_devices)} stages. Use micro_batches >= "
+            f"{len(stage_devices)}, or schedule='gpipe'.")
     if devices is None:
         devices = list(plan.devices)
     if replicas == 1:
+        outside = [d for d in stage_devices if d not in devices]
+        if outside:
+            raise ValueError(
+                f"The plan uses devices {outside} that devices= does not list ({devices}). "
+                "Drop devices= (the plan names the devices) or make them agree.")
         replica_devices = [stage_devices]
     else:
         k = len(devices) // replicas
@@ -333,7 +438,7 @@ def split_model(model, *, devices: Sequence[str] | None = None,
                 f"With replicas={replicas}, the plan may use only replica 0's devices {base}; "
                 f"it also uses {extra}.")
         replica_devices = [[g[base.index(d)] for d in stage_devices] for g in groups]
-    found = _has_batch_statistics(graph.source_layers(model))
+    found = _has_batch_statistics(graph.layers)
     if found and micro_batches > 1:
         raise ValueError(
             f"Layers {found} keep batch statistics (BatchNormalization): with micro_batches="
@@ -346,21 +451,126 @@ def split_model(model, *, devices: Sequence[str] | None = None,
 
         strategy = strategies.make_strategy(
             "mirrored", devices=tuple(g[0] for g in replica_devices))
+    source_order = _source_order(model, graph)  # before tensor-parallel layers change weights
+    layer_map = _place_layers(graph, plan, strategy)
+    stages, cuts = graph_lib.cut_into_stages(graph, plan)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
-        functional, layer_map = graph.placed_functional(model, plan, input_shape=input_shape)
-        stages, cuts = graph.cut_into_stages(functional, plan)
-        split = SplitModel(functional=functional, plan=plan, stages=stages, cuts=cuts,
-                           layer_map=layer_map, source_order=_source_order(model),
+        split = SplitModel(graph=graph, plan=plan, stages=stages, cuts=cuts,
+                           layer_map=layer_map, source_order=source_order,
                            micro_batches=micro_batches, schedule=schedule,
                            replica_devices=replica_devices, strategy=strategy)
-    from tfdist.split.tensor_parallel import _MHA_PROJECTIONS
+    from tfdist.split.tensor_parallel import sharded_sublayers
 
-    for layer in layer_map.values():
-        for sub in [layer] + [getattr(layer, a, None) for a, _ in _MHA_PROJECTIONS]:
-            if hasattr(sub, "shard_devices"):
-                sub.device_map = lambda d, s=split: s._map_device(d, s._replica_id())
+    for name, _ in plan.tensor_parallel:
+        for sub in sharded_sublayers(layer_map[name]):
+            sub.device_map = split.device_for_this_replica
+    if strategy is None:
+        misplaced = check_placement(split)
+        if misplaced:
+            raise ValueError(
+                "After the split, these variables are not on their layer's planned device: "
+                + "; ".join(misplaced[:10]) + (f" (and {len(misplaced) - 10} more)"
+                                               if len(misplaced) > 10 else "")
+                + ". They are created outside Keras's tracking (e.g. a raw tf.Variable in a "
+                "custom layer), which split_model cannot move; create them with "
+                "self.add_weight(...) in the layer.")
     return split
+
+
+def _place_layers(graph, plan: plan_lib.Plan, strategy) -> dict:
+    """Moves every layer's variables to its planned device; builds tensor-parallel layers.
+
+    Returns {plan name: the layer the stages run} (the model's own layer, or
+    the ShardedDense that replaces a tensor-parallel Dense).
+    """
+    from tfdist.split.tensor_parallel import ShardedDense, shard_attention
+
+    tf = import_tensorflow()
+    moved: set[int] = set()
+    layer_map = {}
+    for name, layer in graph.layers.items():
+        device = plan.device_of(name)
+        tp = plan.tensor_parallel_of(name)
+        if tp is not None and not isinstance(layer, keras.layers.MultiHeadAttention):
+            first = graph.nodes_of(name)[0]
+            in_shape = _input_shape_of(graph, first)
+            scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+            with scope, tf.device(device):  # construction and build on the stage device
+                sharded = ShardedDense.from_dense(layer, mode=tp.mode, devices=tp.devices,
+                                                  output_device=device)
+                sharded.build(in_shape)
+            sharded.set_weights(layer.get_weights())
+            for node in graph.nodes_of(name):
+                node.operation = sharded
+            layer_map[name] = sharded
+            continue
+        for variable in layer.variables:
+            if id(variable) in moved:  # shared with an earlier layer: stays there
+                continue
+            moved.add(id(variable))
+            keras_graph.move_variable(variable, device, strategy=strategy)
+        if tp is not None:
+            if tp.mode != "column":
+                raise ValueError(
+                    f"MultiHeadAttention {name!r} is split by heads: give mode 'column' "
+                    "(query/key/value column-parallel, output projection row-parallel). "
+                    f"Received: mode={tp.mode!r}")
+            shard_attention(layer, devices=tp.devices, output_device=device)
+        layer_map[name] = layer
+    return layer_map
+
+
+def _input_shape_of(graph, node):
+    if not node.input_keys:
+        raise ValueError(f"Layer {node.name!r} has no tensor input to shard.")
+    key = node.input_keys[0]
+    for n in graph.nodes:
+        if key in n.output_keys:
+            return n.output_specs[n.output_keys.index(key)][0]
+    for k, (_, shape, _) in zip(graph.input_keys, graph.input_specs):
+        if k == key:
+            return shape
+    raise ValueError(f"Layer {node.name!r}: its input shape is unknown.")
+
+
+def _devices_of(variable) -> list[str]:
+    value = getattr(variable, "value", variable)
+    values = getattr(value, "values", None)
+    if values is not None:
+        return [v.device for v in values]
+    return [value.device]
+
+
+def _device_id(device: str) -> tuple[str, int] | None:
+    tf = import_tensorflow()
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError):
+        return None
+    if spec.device_type is None or spec.device_index is None:
+        return None
+    return spec.device_type.upper(), int(spec.device_index)
+
+
+def check_placement(split: SplitModel) -> list[str]:
+    """Variables of the split whose device is not their layer's planned one.
+
+    Returns:
+      "layer: variable path on DEVICE (planned PLANNED)" for each, [] when all
+      are placed. Tensor-parallel layers may also use their shard devices.
+    """
+    out = []
+    for name, layer in split.placed_layers().items():
+        planned = split.plan.device_of(name)
+        tp = split.plan.tensor_parallel_of(name)
+        allowed = {_device_id(d) for d in (planned,) + (tp.devices if tp is not None else ())}
+        for variable in layer.variables:
+            for device in _devices_of(variable):
+                if _device_id(device) not in allowed:
+                    out.append(f"{name}: {variable.path} on {device or '<unplaced>'} "
+                               f"(planned {planned})")
+    return out
 
 
 def split_from_options(model, options, *, devices: Sequence[str] | None = None):
@@ -368,12 +578,23 @@ def split_from_options(model, options, *, devices: Sequence[str] | None = None):
 
     Returns the model unchanged for split="none", else a SplitModel: "auto"
     balances over `options.stages` devices (default: all logical devices, or
-    `devices`), a path loads a Plan file.
+    `devices`), a path loads a Plan file; with sequence_parallel=N a
+    SequenceParallelModel over the first N devices.
     """
     from tfdist import devices as devices_lib
 
     if not options.enabled:
         return model
+    if options.sequence_parallel > 1:
+        from tfdist.split.sequence_parallel import sequence_parallel
+
+        pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
+        n = options.sequence_parallel
+        if n > len(pool):
+            raise ValueError(
+                f"sequence_parallel={n} but only {len(pool)} device(s) are available ({pool}). "
+                f"Use --logical_devices={n} or a smaller --sequence_parallel.")
+        return sequence_parallel(model, devices=pool[:n])
     if options.split == "auto":
         pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
         k = options.stages if options.stages is not None else len(pool)

@@ -27,13 +27,17 @@ def _nbytes(variable) -> int:
     return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
 
 
-def placement_summary(split, *, batch_size: int | None = None) -> dict:
+def placement_summary(split, *, batch_size: int | None = None,
+                      sequence_length: int | None = None) -> dict:
     """The numbers behind placement_report, as a dict (for tests and JSON).
 
     Args:
       split: a SplitModel.
       batch_size: global batch size used to compute activation bytes per
         micro-batch (per replica: batch_size / replicas / micro_batches).
+      sequence_length: the length to use for dimensions unknown until run time
+        (a text model's sequence). Without it, such cuts report their bytes per
+        sample as a formula in L.
     """
     layers = []
     param_bytes: dict[str, int] = {}
@@ -66,12 +70,14 @@ def placement_summary(split, *, batch_size: int | None = None) -> dict:
         micro = batch_size // split.replicas // m
     cuts = []
     for cut in split.cuts:
-        per_sample = cut.bytes_per_sample()
+        per_sample = cut.bytes_per_sample(sequence_length=sequence_length)
         cuts.append({
             "after_stage": cut.after,
             "tensors": [{"from": p, "shape": list(s), "dtype": d} for p, s, d in cut.tensors],
             "bytes_per_sample": per_sample,
-            "bytes_per_micro_batch": None if micro is None else per_sample * micro,
+            "bytes_per_sample_formula": cut.formula(),
+            "bytes_per_micro_batch": None if micro is None or per_sample is None
+            else per_sample * micro,
         })
     return {
         "stages": [{"stage": s.index, "device": _short(s.device), "layers": list(s.layer_names)}
@@ -99,17 +105,34 @@ def _fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
-def placement_report(split, *, batch_size: int | None = None) -> str:
+def describe(model) -> dict:
+    """What a split model does, as plain data (for logs and metrics files)."""
+    if hasattr(model, "plan"):
+        return {"stages": [[d, list(names)] for d, names in model.plan.stages],
+                "micro_batches": model.micro_batches, "schedule": model.schedule}
+    return {"sequence_parallel": len(model.devices), "devices": list(model.devices),
+            "replicas": model.replicas}
+
+
+def placement_report(split, *, batch_size: int | None = None,
+                     sequence_length: int | None = None) -> str:
     """A printable table: layer -> device, bytes per device, cuts, bubble.
 
     Args:
       split: a SplitModel from tfdist.split_model.
       batch_size: global batch size, to show activation bytes per micro-batch.
+      sequence_length: value for dimensions unknown until run time (text
+        models); without it those cuts show bytes per sample as a formula in L.
 
     Example:
       >>> print(tfdist.placement_report(split, batch_size=64))
     """
-    s = placement_summary(split, batch_size=batch_size)
+    if not hasattr(split, "plan"):  # a SequenceParallelModel
+        return (f"Sequence parallel: each sequence cut over {len(split.devices)} devices "
+                f"({', '.join(_short(d) for d in split.devices)}) x {split.replicas} "
+                "replica(s); position-wise layers run on their slice, attention gathers "
+                "keys and values; variables stay where the model created them.")
+    s = placement_summary(split, batch_size=batch_size, sequence_length=sequence_length)
     lines = [f"Placement: {s['num_stages']} stage(s) x {len(s['replicas'])} replica(s), "
              f"micro_batches={s['micro_batches']}"]
     if len(s["replicas"]) > 1:
@@ -131,6 +154,11 @@ def placement_report(split, *, batch_size: int | None = None) -> str:
                      f"   optimizer state {o}")
     for c in s["cuts"]:
         names = ", ".join(f"{t['from']} {tuple(t['shape'][1:])}" for t in c["tensors"])
+        if c["bytes_per_sample"] is None:
+            lines.append(f"  cut after stage {c['after_stage']}: {names}: "
+                         f"{c['bytes_per_sample_formula']} B/sample (L: the length of the "
+                         "unknown dimensions; pass sequence_length= for bytes)")
+            continue
         per_mb = (f"{_fmt_bytes(c['bytes_per_micro_batch'])} per micro-batch of "
                   f"{s['micro_batch_size']}" if c["bytes_per_micro_batch"] is not None
                   else "pass batch_size= for bytes per micro-batch")

@@ -18,6 +18,7 @@ import types
 import numpy as np
 
 from tfdist._tf import import_tensorflow
+from tfdist.compat import keras_attention
 
 import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
@@ -44,7 +45,9 @@ class ShardedDense(keras.layers.Layer):
     """
 
     def __init__(self, units, *, activation=None, use_bias=True, mode="column",
-                 devices=(), output_device=None, **kwargs):
+                 devices=(), output_device=None, kernel_initializer="glorot_uniform",
+                 bias_initializer="zeros", kernel_regularizer=None, bias_regularizer=None,
+                 kernel_constraint=None, bias_constraint=None, **kwargs):
         super().__init__(**kwargs)
         if mode not in ("column", "row"):
             raise ValueError(f"mode must be 'column' or 'row'. Received: mode={mode!r}")
@@ -54,9 +57,23 @@ class ShardedDense(keras.layers.Layer):
         self.mode = mode
         self.shard_devices = tuple(devices)
         self.output_device = output_device or self.shard_devices[0]
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
 
     @classmethod
     def from_dense(cls, layer, *, mode, devices, output_device=None):
+        """A ShardedDense carrying a Dense layer's whole configuration.
+
+        Raises:
+          ValueError: not a Dense, or a setting that would change meaning when
+            the kernel is cut into shards (naming it): a regularizer that does
+            not add up over shards (only L1/L2/L1L2 do), a norm constraint
+            across the split axis, LoRA or quantization.
+        """
         if not isinstance(layer, keras.layers.Dense):
             raise ValueError(
                 f"Tensor parallelism supports keras.layers.Dense and MultiHeadAttention "
@@ -64,9 +81,38 @@ class ShardedDense(keras.layers.Layer):
                 f"{layer.name!r} of type {type(layer).__name__}. Remove it from "
                 "tensor_parallel or place it whole on one device."
             )
-        return cls(layer.units, activation=layer.get_config()["activation"],
-                   use_bias=layer.use_bias, mode=mode, devices=devices,
-                   output_device=output_device, name=layer.name, dtype=layer.dtype_policy)
+        config = layer.get_config()
+        problems = []
+        if config.get("lora_rank"):
+            problems.append(f"lora_rank={config['lora_rank']} (LoRA adapters are not sharded)")
+        if config.get("quantization_config") or getattr(layer, "quantization_mode", None):
+            problems.append("quantization (quantized kernels are not sharded)")
+        for which in ("kernel", "bias"):
+            reg = getattr(layer, f"{which}_regularizer", None)
+            if reg is not None and type(reg) not in _ADDITIVE_REGULARIZERS:
+                problems.append(
+                    f"{which}_regularizer={type(reg).__name__} (a sum over shards equals it "
+                    "only for L1, L2 and L1L2)")
+            constraint = getattr(layer, f"{which}_constraint", None)
+            if constraint is not None and not _constraint_shardable(constraint, which, mode):
+                problems.append(
+                    f"{which}_constraint={type(constraint).__name__} (it normalises across the "
+                    f"axis a {mode} split cuts)")
+        if problems:
+            raise ValueError(
+                f"Dense layer {layer.name!r} cannot be split {mode}-wise without changing what "
+                f"it computes: {'; '.join(problems)}. Remove it from tensor_parallel, or drop "
+                "these settings.")
+        return cls(layer.units, activation=config["activation"], use_bias=layer.use_bias,
+                   mode=mode, devices=devices, output_device=output_device,
+                   kernel_initializer=config["kernel_initializer"],
+                   bias_initializer=config["bias_initializer"],
+                   kernel_regularizer=config["kernel_regularizer"],
+                   bias_regularizer=config["bias_regularizer"],
+                   kernel_constraint=config["kernel_constraint"],
+                   bias_constraint=config["bias_constraint"],
+                   activity_regularizer=layer.activity_regularizer,
+                   trainable=layer.trainable, name=layer.name, dtype=layer.dtype_policy)
 
     def build(self, input_shape):
         tf = import_tensorflow()
@@ -83,15 +129,18 @@ class ShardedDense(keras.layers.Layer):
         for i, (device, size) in enumerate(zip(self.shard_devices, self.sizes)):
             shape = (in_dim, size) if self.mode == "column" else (size, self.units)
             with tf.device(device):
-                self.kernels.append(self.add_weight(name=f"kernel_shard{i}", shape=shape,
-                                                    initializer="glorot_uniform"))
+                self.kernels.append(self.add_weight(
+                    name=f"kernel_shard{i}", shape=shape, initializer=self.kernel_initializer,
+                    regularizer=self.kernel_regularizer, constraint=self.kernel_constraint))
                 if self.use_bias and self.mode == "column":
-                    self.biases.append(self.add_weight(name=f"bias_shard{i}", shape=(size,),
-                                                       initializer="zeros"))
+                    self.biases.append(self.add_weight(
+                        name=f"bias_shard{i}", shape=(size,), initializer=self.bias_initializer,
+                        regularizer=self.bias_regularizer, constraint=self.bias_constraint))
         if self.use_bias and self.mode == "row":
             with tf.device(self.output_device):
-                self.biases.append(self.add_weight(name="bias", shape=(self.units,),
-                                                   initializer="zeros"))
+                self.biases.append(self.add_weight(
+                    name="bias", shape=(self.units,), initializer=self.bias_initializer,
+                    regularizer=self.bias_regularizer, constraint=self.bias_constraint))
 
     def _devices(self):
         mapping = getattr(self, "device_map", None)
@@ -159,10 +208,34 @@ class ShardedDense(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
+        ser = keras.saving.serialize_keras_object
         config.update(units=self.units, activation=keras.activations.serialize(self.activation),
                       use_bias=self.use_bias, mode=self.mode, devices=list(self.shard_devices),
-                      output_device=self.output_device)
+                      output_device=self.output_device,
+                      kernel_initializer=ser(self.kernel_initializer),
+                      bias_initializer=ser(self.bias_initializer),
+                      kernel_regularizer=ser(self.kernel_regularizer),
+                      bias_regularizer=ser(self.bias_regularizer),
+                      kernel_constraint=ser(self.kernel_constraint),
+                      bias_constraint=ser(self.bias_constraint))
         return config
+
+
+# Penalties that add up over disjoint shards of a tensor (sums of |w| or w^2).
+_ADDITIVE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+
+
+def _constraint_shardable(constraint, which: str, mode: str) -> bool:
+    """Element-wise constraints always shard; per-column norms (axis 0 of the
+    kernel) survive a column split, which keeps whole columns together."""
+    if isinstance(constraint, keras.constraints.NonNeg):
+        return True
+    norm_types = (keras.constraints.MaxNorm, keras.constraints.MinMaxNorm,
+                  keras.constraints.UnitNorm)
+    if isinstance(constraint, norm_types):
+        axis = getattr(constraint, "axis", 0)
+        return which == "kernel" and mode == "column" and axis in (0, -2)
+    return False
 
 
 def _einsum_split_letter(equation: str, mode: str) -> tuple[str, str, str, str]:
@@ -290,13 +363,6 @@ class ShardedEinsumDense(keras.layers.Layer):
                 self.biases[0].assign(weights[1])
 
 
-# MultiHeadAttention's projections are private sub-layers; swapping them is the
-# only way to split them without rewriting the layer. Verified on Keras 3.15
-# (tests/test_split.py::test_tensor_parallel_attention fails if the names change).
-_MHA_PROJECTIONS = (("_query_dense", "column"), ("_key_dense", "column"),
-                    ("_value_dense", "column"), ("_output_dense", "row"))
-
-
 def shard_attention(layer, *, devices, output_device) -> None:
     """Splits a built MultiHeadAttention's projections by heads over `devices`, in place.
 
@@ -304,50 +370,44 @@ def shard_attention(layer, *, devices, output_device) -> None:
     computes its heads), the output projection row-parallel (each device
     contributes its heads' part of the sum). The attention itself (softmax
     over all heads) runs on `output_device`. The layer keeps its
-    get_weights()/set_weights() layout.
+    get_weights()/set_weights() layout (tfdist.compat.keras_attention swaps
+    the private projection sub-layers).
     """
     if not isinstance(layer, keras.layers.MultiHeadAttention):
         raise ValueError(f"shard_attention needs a MultiHeadAttention. Received: {layer!r}")
-    tracked = layer._layers  # Keras's tracker list of sub-layers (private)
-    tracker = layer._tracker  # locked after build(); unlocked for the swap only
-    tracker.unlock()
-    try:
-        _swap_projections(layer, tracked, devices, output_device)
-    finally:
-        tracker.lock()
-    # Keep the unsplit layout: [q kernel, q bias, k ..., v ..., output kernel, output bias].
-    object.__setattr__(layer, "get_weights", types.MethodType(_mha_get_weights, layer))
-    object.__setattr__(layer, "set_weights", types.MethodType(_mha_set_weights, layer))
-
-
-def _mha_get_weights(self):
-    return [w for attr, _ in _MHA_PROJECTIONS for w in getattr(self, attr).get_weights()]
-
-
-def _mha_set_weights(self, weights):
-    weights = list(weights)
-    for attr, _ in _MHA_PROJECTIONS:
-        sub = getattr(self, attr)
-        n = len(sub.get_weights())
-        sub.set_weights(weights[:n])
-        weights = weights[n:]
-    if weights:
-        raise ValueError(f"{self.name}: {len(weights)} arrays too many for set_weights.")
-
-
-def _swap_projections(layer, tracked, devices, output_device) -> None:
-    for attr, mode in _MHA_PROJECTIONS:
-        old = getattr(layer, attr, None)
-        if old is None or not isinstance(old, keras.layers.EinsumDense):
+    for attr, mode, old in keras_attention.projections(layer):
+        if not isinstance(old, keras.layers.EinsumDense):
             raise RuntimeError(
-                f"MultiHeadAttention has no EinsumDense {attr} in this Keras version; "
-                "tfdist.split.tensor_parallel.shard_attention needs updating.")
+                f"MultiHeadAttention's {attr} is a {type(old).__name__}, not an EinsumDense, "
+                f"in Keras {keras.__version__}; shard_attention cannot split it.")
         weights = old.get_weights()
         new = ShardedEinsumDense.from_einsum_dense(old, mode=mode, devices=devices,
                                                    output_device=output_device)
         new.build(None)
         new.set_weights(weights)
-        index = next(i for i, l in enumerate(tracked) if l is old)
-        setattr(layer, attr, new)  # Keras appends `new` to the tracked layers...
-        tracked.remove(new)        # ...so put it where `old` was, keeping weight order
-        tracked[index] = new
+        keras_attention.replace_projection(layer, attr, new)
+    # Keep the unsplit layout: [q kernel, q bias, k ..., v ..., output kernel, output bias].
+    object.__setattr__(layer, "get_weights", types.MethodType(_mha_get_weights, layer))
+    object.__setattr__(layer, "set_weights", types.MethodType(_mha_set_weights, layer))
+
+
+def sharded_sublayers(layer) -> list:
+    """The layer itself and its attention projections that run on shard devices."""
+    subs = [layer]
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        subs += [sub for _, _, sub in keras_attention.projections(layer)]
+    return [s for s in subs if hasattr(s, "shard_devices")]
+
+
+def _mha_get_weights(self):
+    return [w for _, _, sub in keras_attention.projections(self) for w in sub.get_weights()]
+
+
+def _mha_set_weights(self, weights):
+    weights = list(weights)
+    for _, _, sub in keras_attention.projections(self):
+        n = len(sub.get_weights())
+        sub.set_weights(weights[:n])
+        weights = weights[n:]
+    if weights:
+        raise ValueError(f"{self.name}: {len(weights)} arrays too many for set_weights.")
