@@ -122,6 +122,10 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         from tfdist.compat import optimizer_update
 
         optimizer_update.install()
+        if getattr(opts, "shard", "none") != "none":
+            from tfdist import sharding
+
+            sharding.attach(strategy, opts)
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 
