@@ -30,6 +30,7 @@ with Keras's own all-reduces and every replica issues them in the same order.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from tfdist._tf import import_tensorflow
@@ -174,6 +175,29 @@ def reduce_scatter(strategy: Any, tensor: Any) -> Any:
         if size is not None:  # the collective's output has no static shape
             summed = tf.reshape(summed, [size // group_size])
         return summed
+
+
+_gather_functions: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def gather_blocks(strategy: Any, blocks: Any) -> Any:
+    """All replicas' blocks, concatenated in rank order, from a cross-replica context.
+
+    `blocks` is a PerReplica value (one block per local replica). A collective
+    across workers: every worker must call it, in the same order. One traced
+    function per strategy and block shape (TensorFlow's `strategy.gather`
+    traces a new function on every call).
+    """
+    tf = import_tensorflow()
+    function = _gather_functions.get(strategy)
+    if function is None:
+        def run(values):
+            result = strategy.run(lambda value: all_gather(strategy, value), args=(values,))
+            return strategy.experimental_local_results(result)[0]
+
+        function = tf.function(run, reduce_retracing=True)
+        _gather_functions[strategy] = function
+    return function(blocks)
 
 
 def check_supported() -> None:

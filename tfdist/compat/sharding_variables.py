@@ -309,7 +309,7 @@ class ShardedStorage:
         components = self.components
         per_replica = self._strategy.experimental_distribute_values_from_function(
             lambda context: components[context.replica_id_in_sync_group - first].read_value())
-        return self._strategy.gather(per_replica, axis=0)
+        return collectives.gather_blocks(self._strategy, per_replica)
 
     def numpy(self):
         return self.whole().numpy()

@@ -34,6 +34,7 @@ from tfdist.compat import sharding_collectives as collectives
 from tfdist.compat import sharding_variables as variables_lib
 
 _WHOLE, _REDUCED_THEN_SLICED, _SCATTERED, _GATHERED = "whole", "stage1", "stage2", "stage3"
+SCALAR_READS = "(scalar variable reads)"
 
 
 class _ParameterShard:
@@ -86,12 +87,15 @@ class ShardedSync(optimizer_update.GradientSync):
       traced_gradient_bytes: per replica device, the bytes of the reduced
         gradients handed to the update in the last traced step (read from the
         graph's tensors), for the memory figures.
+      traced_update_devices: per replica device, how many graph ops of the
+        sharded updates were placed on each device (with offload: the host).
     """
 
     def __init__(self, strategy: Any, plan: Any):
         self._strategy = weakref.ref(strategy)
         self.plan = plan
         self.traced_gradient_bytes: dict[str, int] = {}
+        self.traced_update_devices: dict[str, dict[str, int]] = {}
         self._checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -174,11 +178,15 @@ class ShardedSync(optimizer_update.GradientSync):
             if kind == _REDUCED_THEN_SLICED:
                 with tf.device(device):
                     gradient = _block(tf, _dense(tf, gradient), layout, rank)
+            graph = tf.compat.v1.get_default_graph()
+            first_op = len(graph.get_operations()) if not tf.executing_eagerly() else 0
             with tf.device(state_device):
                 shard = _ParameterShard(key=variables_lib.optimizer_key(optimizer, variable),
                                         block=tf.identity(block), name=variable.name)
                 optimizer.update_step(gradient, shard, learning_rate)
                 updated = shard.value()
+            if not tf.executing_eagerly():
+                self._record_update_ops(replica, graph.get_operations()[first_op:])
             if storage is not None:
                 with tf.device(device):
                     storage.assign_block(updated)
@@ -196,6 +204,19 @@ class ShardedSync(optimizer_update.GradientSync):
                     local.assign(tf.reshape(flat, layout.shape))
 
     # -- figures -------------------------------------------------------------------------
+
+    def _record_update_ops(self, replica: int, ops) -> None:
+        device = self.plan.local_devices[replica]
+        with self._lock:
+            seen = self.traced_update_devices.setdefault(device, {})
+            for op in ops:
+                where = op.device
+                if not where and op.type == "ReadVariableOp" and all(
+                        t.shape.rank == 0 for t in op.outputs):
+                    # The optimizer's step counter and learning rate: scalars read where
+                    # they live (no device of their own in the graph).
+                    where = SCALAR_READS
+                seen[where] = seen.get(where, 0) + 1
 
     def _record(self, gradients) -> None:
         replica = collectives.local_replica_id()
