@@ -202,30 +202,39 @@ class ShardedStorage:
         self._unique_id = f"tfdist_sharded/{self.components[0]._unique_id}"
 
     @classmethod
-    def create(cls, *, strategy, plan, value, name: str, trainable: bool, kind: str):
-        """Shards of the whole `value`, one per local replica (eager, cross-replica)."""
-        tf = import_tensorflow()
-        from tensorflow.python.ops import resource_variable_ops
+    def create(cls, *, strategy, plan, value, shape, dtype, name: str, trainable: bool,
+               kind: str):
+        """Shards of the whole `value` (a tensor, or a callable returning one), one per replica.
 
-        value = tf.convert_to_tensor(value)
-        layout = plan.layout(value.shape)
+        Works where Keras creates variables: eagerly under `strategy.scope()`, and
+        inside `strategy.run` in a tf.function (a custom training loop building
+        its optimizer on the first step), where only the variable creators of
+        the strategy and of tf.function can make a variable that outlives the
+        trace.
+        """
+        tf = import_tensorflow()
+        layout = plan.layout(shape)
+        dtype = tf.as_dtype(dtype)
+
+        def block(rank):
+            whole = tf.cast(value() if callable(value) else value, dtype)
+            flat = tf.pad(tf.reshape(whole, [-1]),
+                          [[0, layout.padded_size - layout.num_elements]])
+            start, stop = layout.shard_range(rank)
+            return flat[start:stop]
+
+        in_replica = _strategy_replica_context(strategy)
         components = []
-        with tf.init_scope():
-            with tf.device(plan.host_device):
-                flat = tf.pad(tf.reshape(value, [-1]),
-                              [[0, layout.padded_size - layout.num_elements]])
-            for replica, rank in enumerate(plan.ranks):
-                start, stop = layout.shard_range(rank)
-                device = (plan.state_device(replica) if kind == "slot"
-                          else plan.local_devices[replica])
-                with tf.device(device):
-                    # A plain resource variable: the strategy's variable creator would make
-                    # it a MirroredVariable (one whole copy per replica).
-                    components.append(resource_variable_ops.ResourceVariable(
-                        initial_value=flat[start:stop], trainable=trainable,
-                        name=f"{name}_shard{rank}", dtype=value.dtype))
+        for replica, rank in enumerate(plan.ranks):
+            device = (plan.state_device(replica) if kind == "slot"
+                      else plan.local_devices[replica])
+            scope = contextlib.nullcontext() if in_replica else strategy.scope()
+            with scope, tf.variable_creator_scope(_on_one_device(device)):
+                components.append(tf.Variable(
+                    lambda rank=rank: block(rank), trainable=trainable,
+                    name=f"{name}_shard{rank}", dtype=dtype))
         return cls(strategy=strategy, plan=plan, layout=layout, components=components,
-                   dtype=value.dtype, name=name, trainable=trainable, kind=kind)
+                   dtype=dtype, name=name, trainable=trainable, kind=kind)
 
     # -- what Keras and TensorFlow read -----------------------------------------------
 
@@ -395,6 +404,22 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
     setattr(ShardedStorage, _name, _tensor_method(_name))
 
 
+def _on_one_device(device: str):
+    """A variable creator asking the strategy for a plain variable on `device`.
+
+    What `tf.distribute` itself does for host-side numpy datasets
+    (`numpy_dataset.SingleDevice`): the strategy's creator then makes one
+    variable on that device instead of a MirroredVariable.
+    """
+    from tensorflow.python.distribute import numpy_dataset
+
+    def creator(next_creator, **kwargs):
+        kwargs["colocate_with"] = numpy_dataset.SingleDevice(device)
+        return next_creator(**kwargs)
+
+    return creator
+
+
 def gather_parameter(storage: ShardedStorage):
     """The whole stage-3 weight in a replica context: all-gather; gradient: reduce-scatter."""
     tf = import_tensorflow()
@@ -536,7 +561,10 @@ def _variable_target():
 def _variable_check(original) -> None:
     from keras.src.backend.tensorflow import core
 
+    from tensorflow.python.distribute import numpy_dataset
+
     _patch.require_signature(original, "value", what="keras TF Variable._initialize")
+    _patch.require_attributes(numpy_dataset, "SingleDevice", what="tf.distribute numpy_dataset")
     _patch.require_attributes(core.Variable, "trainable", "name", "path", "value",
                               what="keras TF Variable")
 
@@ -553,20 +581,18 @@ def _variable_make(original):
         if pending is not None:
             _pending.slot = None  # one slot per add_variable_from_reference
             strategy, plan = pending
-            with tf.init_scope(), tf.device(plan.host_device):
-                whole = value() if callable(value) else value
-            self._value = ShardedStorage.create(strategy=strategy, plan=plan, value=whole,
-                                                name=self.name, trainable=False, kind="slot")
+            self._value = ShardedStorage.create(
+                strategy=strategy, plan=plan, value=value, shape=self._shape,
+                dtype=self._dtype, name=self.name, trainable=False, kind="slot")
             return
         strategy, plan = _parameter_plan(self, value)
         # The strategy makes the whole variable first: across workers it broadcasts worker 0's
         # initial value, so every worker cuts the same weight. The whole copy is dropped.
         original(self, value)
         whole = self._value
-        with tf.init_scope():
-            self._value = ShardedStorage.create(
-                strategy=strategy, plan=plan, value=whole.read_value(), name=self.name,
-                trainable=True, kind="parameter")
+        self._value = ShardedStorage.create(
+            strategy=strategy, plan=plan, value=whole.read_value(), shape=whole.shape,
+            dtype=whole.dtype, name=self.name, trainable=True, kind="parameter")
         del whole
         _parameters_made[0] += 1
 
@@ -697,3 +723,20 @@ def install() -> None:
 def optimizer_key(optimizer: Any, variable: Any) -> Any:
     """The key `optimizer` files `variable`'s slots under (Keras's private `_var_key`)."""
     return optimizer._var_key(variable)
+
+
+def placed_bytes(variable: Any, strategy: Any) -> list[tuple[str, int]]:
+    """(device, bytes) of every piece of storage behind a Keras (or TF) variable.
+
+    A sharded variable: its shards; a MirroredVariable: one whole copy per
+    replica; a plain variable: itself. Read from the variables, not computed.
+    """
+    storage = getattr(variable, "_value", variable)
+    if isinstance(storage, ShardedStorage):
+        pieces = storage.components
+    elif hasattr(storage, "values") and hasattr(storage, "_primary"):  # DistributedVariable
+        pieces = strategy.experimental_local_results(storage)
+    else:
+        pieces = (storage,)
+    return [(piece.device, int(piece.shape.num_elements()) * piece.dtype.size)
+            for piece in pieces]
