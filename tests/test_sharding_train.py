@@ -78,9 +78,17 @@ def test_bytes_on_each_device_equal_the_cost_model(two, stage):
         row = check["measured"][device]
         for kind in ("parameters", "gradients", "optimizer"):
             assert row[kind] == check["predicted"][kind], (stage, device, kind)
-    # Sharding really divides: stage 3 holds about half of the weights of stage 1.
-    whole = two["memory"]["optimizer"]["predicted"]["parameters"]
-    assert check["predicted"]["parameters"] < 0.6 * whole if stage == "parameters" else True
+    # Negative control: without sharding every device holds whole weights and slots, and
+    # the same reading sees it (the formula at stage 0; Adam's two slots).
+    none = two["memory"]["none"]
+    for device in none["replicas"]:
+        row = none["measured"][device]
+        assert row["parameters"] == none["predicted"]["parameters"]
+        assert row["optimizer"] == none["predicted"]["optimizer"]
+    whole = none["predicted"]
+    assert check["measured"][check["replicas"][0]]["optimizer"] < 0.6 * whole["optimizer"]
+    if stage == "parameters":
+        assert check["measured"][check["replicas"][0]]["parameters"] < 0.6 * whole["parameters"]
 
 
 @pytest.mark.slow

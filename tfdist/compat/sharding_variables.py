@@ -576,7 +576,6 @@ def _variable_make(original):
 
     @_patch.passthrough(original, applies)
     def _initialize(self, value):
-        tf = import_tensorflow()
         pending = getattr(_pending, "slot", None)
         if pending is not None:
             _pending.slot = None  # one slot per add_variable_from_reference
