@@ -255,6 +255,9 @@ def case_mirrored2(out: dict) -> None:
     path = tf.train.Checkpoint(model=trained, optimizer=trained.optimizer).write(
         os.path.join(tmp, "sharded"))
     plain_strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    from tfdist.sharding import memory
+
+    memory.record_gradients(plain_strategy)
     plain = make_model(plain_strategy, "adam")
     with plain_strategy.scope():
         plain.optimizer.build(plain.trainable_variables)
@@ -350,6 +353,12 @@ def case_mirrored2(out: dict) -> None:
         fit(model, steps=1)
 
     out["error_optimizer"] = error_text(lamb)
+    def eager():
+        model = make_model(sharded(2, shard="gradients"), "adam")
+        model.compile(model.optimizer, model.loss, run_eagerly=True)
+        fit(model, steps=1)
+
+    out["error_eager"] = error_text(eager)
     _, _, Scale = _layers()
     from tfdist import sharding
 
@@ -364,10 +373,18 @@ def case_mirrored4(out: dict) -> None:
 
     tfdist.configure_logical_devices(4)
     out["equal"] = {}
-    for optimizer, shard in [("adam", "optimizer"), ("sgdm", "gradients"),
-                             ("adamw", "parameters")]:
+    # The first run lists the devices backwards: replica i is not collective rank i there
+    # (TensorFlow orders a group by device name), which decides who owns which shard.
+    reverse = ("/cpu:3", "/cpu:2", "/cpu:1", "/cpu:0")
+    for optimizer, shard, devices in [("adam", "optimizer", reverse),
+                                      ("sgdm", "gradients", None),
+                                      ("adamw", "parameters", None)]:
         single = state(fit(make_model(None, optimizer)))
-        model = fit(make_model(sharded(4, shard=shard), optimizer))
+        model = fit(make_model(sharded(4, devices=devices, shard=shard), optimizer))
+        if devices is not None:
+            from tfdist.sharding import plan_of
+
+            out["reversed_ranks"] = list(plan_of(model.distribute_strategy).ranks)
         out["equal"][f"{optimizer}/{shard}"] = {
             "diff": max_diff(state(model), single),
             "replicas_identical": replicas_identical(model)}

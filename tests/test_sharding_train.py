@@ -65,6 +65,7 @@ def test_two_replicas_equal_one_device(two):
 def test_four_replicas_equal_one_device(four):
     assert set(four["equal"]) == {"adam/optimizer", "sgdm/gradients", "adamw/parameters"}
     _check_equal(four["equal"])
+    assert four["reversed_ranks"] == [3, 2, 1, 0]  # devices listed backwards, run equal
 
 
 @pytest.mark.slow
@@ -83,8 +84,8 @@ def test_bytes_on_each_device_equal_the_cost_model(two, stage):
     none = two["memory"]["none"]
     for device in none["replicas"]:
         row = none["measured"][device]
-        assert row["parameters"] == none["predicted"]["parameters"]
-        assert row["optimizer"] == none["predicted"]["optimizer"]
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert row[kind] == none["predicted"][kind], (device, kind)
     whole = none["predicted"]
     assert check["measured"][check["replicas"][0]]["optimizer"] < 0.6 * whole["optimizer"]
     if stage == "parameters":
@@ -115,6 +116,8 @@ def test_bad_input_is_a_clear_error(two, four):
     optimizer = two["error_optimizer"]
     assert optimizer.startswith("ValueError: ") and "Received: Lamb" in optimizer
     assert "Supported: SGD, Adam" in optimizer and "Fix:" in optimizer
+    eager = two["error_eager"]  # not a deadlock of eager collectives
+    assert eager.startswith("EagerStepError: ") and "run_eagerly" in eager and "Fix:" in eager
     offload = four["error_offload"]
     assert offload.startswith("ValueError: ") and "itself a replica" in offload
     assert "Received: replicas on" in offload and "Fix:" in offload

@@ -122,7 +122,19 @@ def local_replica_id() -> int:
     return int(replica)
 
 
+class EagerStepError(ValueError):
+    """A sharded training step runs eagerly (its collectives would deadlock)."""
+
+
 def _launcher(strategy: Any):
+    tf = import_tensorflow()
+    if tf.executing_eagerly():
+        # Eager replica threads issue the collectives one device at a time: they deadlock.
+        raise EagerStepError(
+            "Sharding exchanges shards with collectives that only run inside a compiled "
+            "training step (tf.function). Received: a step running eagerly "
+            "(model.compile(run_eagerly=True) or tf.config.run_functions_eagerly(True)). "
+            "Fix: drop run_eagerly (or shard='none' to debug eagerly).")
     return _collective_ops(strategy)._launchers[local_replica_id()]
 
 

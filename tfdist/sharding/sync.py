@@ -219,21 +219,12 @@ class ShardedSync(optimizer_update.GradientSync):
                 seen[where] = seen.get(where, 0) + 1
 
     def _record(self, gradients) -> None:
+        from tfdist.sharding import memory
+
         replica = collectives.local_replica_id()
-        total = 0
-        for g in gradients:
-            if g is None:
-                continue
-            if hasattr(g, "values") and hasattr(g, "indices"):  # IndexedSlices
-                total += _static_bytes(g.values) + _static_bytes(g.indices)
-            else:
-                total += _static_bytes(g)
+        total = memory.reduced_gradient_bytes(gradients)
         with self._lock:
             self.traced_gradient_bytes[self.plan.local_devices[replica]] = total
-
-
-def _static_bytes(tensor) -> int:
-    return int(tensor.shape.num_elements()) * tensor.dtype.size
 
 
 def _dense(tf, gradient):
