@@ -117,7 +117,8 @@ def test_bad_input_is_a_clear_error(two, four):
     assert optimizer.startswith("ValueError: ") and "Received: Lamb" in optimizer
     assert "Supported: SGD, Adam" in optimizer and "Fix:" in optimizer
     eager = two["error_eager"]  # not a deadlock of eager collectives
-    assert eager.startswith("EagerStepError: ") and "run_eagerly" in eager and "Fix:" in eager
+    assert eager.startswith("ValueError: Sharding exchanges shards with collectives")
+    assert "Received: a step running eagerly" in eager and "Fix: drop run_eagerly" in eager
     offload = four["error_offload"]
     assert offload.startswith("ValueError: ") and "itself a replica" in offload
     assert "Received: replicas on" in offload and "Fix:" in offload
