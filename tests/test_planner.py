@@ -42,7 +42,23 @@ def test_one_billion_params_on_8x80gb_is_mirrored_with_the_numbers():
     assert plan.split is None
 
 
-def test_model_too_big_for_one_device_gets_a_checked_split():
+def test_model_whose_state_does_not_fit_gets_the_cheapest_sharding_stage():
+    plan = tfdist.plan(stats=_stats(7e9), global_batch_size=512, machine=_node())
+    # 7e9 x 16 bytes = 112 GB per replica does not fit 80 GB. ZeRO-1 over 8 (28 + 28 + 56/8 =
+    # 63 GB) and ZeRO-2 (28 + 28/8 + 56/8 = 38.5 GB) both fit; ZeRO-2 moves fewer bytes.
+    assert not plan.candidate("mirrored").fits
+    assert (plan.recommended, plan.recommended_options) == ("mirrored", (("shard", "gradients"),))
+    chosen = plan.recommended_candidate
+    assert chosen.memory.total == 28 * 10**9 + 3_500_000_000 + 7 * 10**9 + 12
+    assert chosen.communication_bytes == plan.candidate("mirrored").communication_bytes
+    stage1 = plan.candidate_named("mirrored[shard=optimizer]")
+    assert stage1.fits and stage1.communication_bytes > chosen.communication_bytes
+    assert any("Apply it with tfdist.make_strategy('mirrored', shard='gradients')" in r
+               for r in plan.reasons)
+
+
+def test_model_too_big_for_one_device_gets_a_checked_split(monkeypatch):
+    monkeypatch.setattr(planner, "VARIANTS", ())  # an installation without sharding
     plan = tfdist.plan(stats=_stats(7e9), global_batch_size=512, machine=_node())
     assert plan.recommended == "split"
     assert not plan.candidate("mirrored").fits and not plan.candidate("default").fits
@@ -76,8 +92,9 @@ def test_never_recommends_what_it_has_not_checked(params, memory, machines):
     if plan.recommended is None:
         assert not any(c.fits for c in plan.candidates)
         return
-    chosen = plan.candidate(plan.recommended)
+    chosen = plan.recommended_candidate
     assert chosen.memory is not None and chosen.memory.total <= device_memory
+    assert chosen.registered
     if plan.recommended == "split":
         assert plan.split.stage_memory.total <= device_memory
         # and one stage fewer would not have fit
@@ -87,7 +104,8 @@ def test_never_recommends_what_it_has_not_checked(params, memory, machines):
         assert fewer.total > device_memory or plan.split.stages == 2
 
 
-def test_split_uses_the_real_layers_of_a_keras_model():
+def test_split_uses_the_real_layers_of_a_keras_model(monkeypatch):
+    monkeypatch.setattr(planner, "VARIANTS", ())  # an installation without sharding
     keras = pytest.importorskip("keras")
     model = keras.Sequential([keras.Input((256,))] + [
         keras.layers.Dense(256, name=f"d{i}") for i in range(8)])
@@ -138,11 +156,15 @@ def test_indivisible_batch_is_not_a_candidate_that_fits():
 
 
 def test_plan_as_dict_is_json():
+    plan = tfdist.plan(stats=_stats(7e10), global_batch_size=512, machine=_node())
+    data = json.loads(json.dumps(plan.as_dict()))
+    # 7e10 parameters: only ZeRO-3 over 8 (1.12 TB / 8 + the largest layer) comes close.
+    assert data["recommended"] is None and data["split"] is None
+    assert {c["preset"] for c in data["candidates"]} == {"default", "mirrored"}
     plan = tfdist.plan(stats=_stats(7e9), global_batch_size=512, machine=_node())
     data = json.loads(json.dumps(plan.as_dict()))
-    assert data["recommended"] == "split"
-    assert data["split"]["stage_memory"]["total"] == 56 * 10**9 + 12
-    assert {c["preset"] for c in data["candidates"]} == {"default", "mirrored", "split"}
+    assert data["recommended"] == "mirrored"
+    assert data["recommended_options"] == {"shard": "gradients"}
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -254,9 +276,9 @@ def test_cli_text_for_8_gpus():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "hardware: 1 machine(s) x 8 GPU(s), 74.51 GiB each" in out
-    assert "recommended: split" in out
-    assert "Split the model over 2 devices" in out
-    assert "mirrored" in out and "104.31 GiB" in out  # the unsplit replica, ruled out
+    assert "recommended: mirrored, shard='gradients'" in out
+    assert "mirrored[shard=gradients]" in out and "35.86 GiB" in out
+    assert "mirrored" in out and "104.31 GiB" in out  # the unsharded replica, ruled out
 
 
 def test_cli_json_cluster_and_exit_status_when_nothing_fits(tmp_path):
@@ -376,13 +398,17 @@ def test_variants_are_costed_and_only_available_ones_recommended(monkeypatch):
     monkeypatch.setattr(planner, "variant_available",
                         lambda preset, variant: dict(variant.options).get("shard") is not None)
     plan = tfdist.plan(stats=stats, global_batch_size=64, machine=_four_gpus())
+    # ZeRO-2 fits too, with the plain ring's traffic; ZeRO-1 adds an all-gather (1.5x).
     assert (plan.recommended, plan.recommended_options) == ("mirrored",
-                                                            (("shard", "optimizer"),))
-    assert "tfdist.make_strategy('mirrored', shard='optimizer')" in plan.reasons[-1]
+                                                            (("shard", "gradients"),))
+    assert "tfdist.make_strategy('mirrored', shard='gradients')" in plan.reasons[-1]
+    plain = plan.candidate("mirrored").communication_bytes
+    assert zero1.communication_bytes == 1.5 * plain
+    assert plan.candidate_named("mirrored[shard=gradients]").communication_bytes == plain
     zero3 = plan.candidate_named("mirrored[shard=parameters]")
-    assert zero3.communication_bytes == 1.5 * plan.candidate("mirrored").communication_bytes
+    assert zero3.communication_bytes == 1.5 * plain
     assert zero3.memory.parameters < zero1.memory.parameters
-    offload = plan.candidate_named("mirrored[shard=optimizer,offload=optimizer]")
+    offload = plan.candidate_named("mirrored[shard=gradients,offload=optimizer]")
     assert offload.memory.optimizer == 12  # only the scalars stay on the device
     bf16 = plan.candidate_named("mirrored[gradient_compression=bf16]")
     assert bf16.communication_bytes == plan.candidate("mirrored").communication_bytes / 2

@@ -73,11 +73,25 @@ class PresetOptions:
         unknown = sorted(set(kwargs) - set(cls.option_names()))
         if unknown:
             valid = ", ".join(cls.option_names()) or "(none)"
+            elsewhere = [_misplaced(name, cls.preset) for name in unknown
+                         if _presets_taking(name)]
+            hint = f" ({'; '.join(elsewhere)}.)" if elsewhere else ""
             raise ValueError(
                 f"Unknown option(s) for preset '{cls.preset}': {', '.join(unknown)}. "
-                f"Valid options: {valid}."
+                f"Valid options: {valid}.{hint}"
             )
         return cls(**kwargs)
+
+
+def _presets_taking(option: str) -> list[str]:
+    """Names of the presets (options classes defined here or registered) taking `option`."""
+    found, stack = [], list(PresetOptions.__subclasses__())
+    while stack:
+        klass = stack.pop(0)
+        stack.extend(klass.__subclasses__())
+        if klass.preset and option in klass.option_names() and klass.preset not in found:
+            found.append(klass.preset)
+    return found
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,6 +119,72 @@ class OneDeviceOptions(PresetOptions):
             check_device_name(self.device)
 
 
+# --- sharded data parallelism and host offload (tfdist/sharding/) -----------------------
+
+Shard = Literal["none", "optimizer", "gradients", "parameters"]
+SHARD_STAGES: tuple[str, ...] = ("none", "optimizer", "gradients", "parameters")
+Offload = Literal["none", "optimizer"]
+OFFLOADS: tuple[str, ...] = ("none", "optimizer")
+# Variables smaller than this stay replicated under sharding: biases and norms of up to
+# 16384 fp32 channels. Sharding them saves at most this much per variable and costs a
+# collective launch each (per layer call at shard="parameters"); see docs/sharding.md.
+DEFAULT_SHARD_MIN_BYTES = 65536
+
+_SHARD_HELP = {
+    "shard": "mirrored, multi_worker_mirrored: ZeRO-style sharding of the training state over "
+             "the replicas: none; optimizer (stage 1: each replica keeps 1/N of every "
+             "optimizer slot); gradients (stage 2: also reduce-scatters gradients); "
+             "parameters (stage 3: also stores 1/N of each large weight, gathered layer by "
+             "layer).",
+    "offload": "mirrored, multi_worker_mirrored: optimizer (with --shard): keep the optimizer "
+               "state and run its update on the host CPU instead of the replicas' devices "
+               "(ZeRO-Offload); none.",
+    "shard_min_bytes": "mirrored, multi_worker_mirrored with --shard: variables smaller than "
+                       f"this many bytes stay replicated (default {DEFAULT_SHARD_MIN_BYTES}).",
+}
+
+
+_CANNOT_SHARD = {
+    "parameter_server": "asynchronous workers and keeps the variables on ps tasks (split "
+                        "them there with shard_count or min_shard_bytes)",
+    "default": "one replica: nothing to shard over",
+    "one_device": "one replica: nothing to shard over",
+    "auto": "no sharding of its own (name the preset to shard)",
+}
+
+
+def _misplaced(option: str, preset: str) -> str:
+    """Why `option` is not an option of `preset`, and the fix."""
+    takers = ", ".join(_presets_taking(option))
+    if option in ("shard", "offload", "shard_min_bytes"):
+        why = _CANNOT_SHARD.get(preset, "no synchronous replicas")
+        return (f"{option} shards the training state over replicas that step together, so only "
+                f"{takers} take it; '{preset}' has {why}. Use --strategy=mirrored (one "
+                f"machine) or multi_worker_mirrored, or drop {option}")
+    return f"{option} is an option of {takers}: pick one of those presets or drop it"
+
+
+def _check_sharding(options: Any) -> None:
+    """Validates the shard/offload/shard_min_bytes fields of a synchronous preset."""
+    if options.shard not in SHARD_STAGES:
+        raise ValueError(
+            f"shard must be one of {', '.join(SHARD_STAGES)}. Received: shard={options.shard!r}")
+    if options.offload not in OFFLOADS:
+        raise ValueError(
+            f"offload must be one of {', '.join(OFFLOADS)}. Received: "
+            f"offload={options.offload!r}")
+    if options.offload != "none" and options.shard == "none":
+        raise ValueError(
+            "offload='optimizer' keeps each replica's shard of the optimizer state on the "
+            "host CPU, so it needs sharding. Received: shard='none', offload='optimizer'. "
+            "Add shard='optimizer' (or 'gradients', as ZeRO-Offload does), or drop offload.")
+    value = options.shard_min_bytes
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            "shard_min_bytes must be an integer >= 0 (0: shard every variable). Received: "
+            f"shard_min_bytes={value!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MirroredOptions(PresetOptions):
     """Synchronous data parallelism on one machine (`MirroredStrategy`).
@@ -123,6 +203,11 @@ class MirroredOptions(PresetOptions):
         per BN layer per step) instead of each replica's own slice. Either
         way the moving statistics stay identical on every replica. See
         docs/numerics.md.
+      shard: ZeRO-style sharding over the replicas (tfdist.sharding): "none",
+        "optimizer" (stage 1), "gradients" (stage 2), "parameters" (stage 3).
+      offload: "optimizer" keeps the optimizer state and its update on the
+        host CPU (needs `shard`); "none".
+      shard_min_bytes: variables smaller than this stay replicated.
     """
 
     preset: ClassVar[str] = "mirrored"
@@ -140,6 +225,11 @@ class MirroredOptions(PresetOptions):
         "help": "mirrored, multi_worker_mirrored: BatchNormalization statistics over the "
                 "global batch (two all-reduces per BN layer per step) instead of each "
                 "replica's slice."})
+    shard: Shard = dataclasses.field(default="none", metadata={"help": _SHARD_HELP["shard"]})
+    offload: Offload = dataclasses.field(default="none",
+                                         metadata={"help": _SHARD_HELP["offload"]})
+    shard_min_bytes: int = dataclasses.field(default=DEFAULT_SHARD_MIN_BYTES, metadata={
+        "help": _SHARD_HELP["shard_min_bytes"]})
 
     def __post_init__(self):
         _check_bool("sync_batch_norm", self.sync_batch_norm)
@@ -171,6 +261,7 @@ class MirroredOptions(PresetOptions):
                 f"cross_device_ops must be one of {', '.join(CROSS_DEVICE_OPS)}. "
                 f"Received: cross_device_ops={self.cross_device_ops!r}"
             )
+        _check_sharding(self)
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -231,6 +322,8 @@ class MultiWorkerMirroredOptions(PresetOptions):
         error naming the tasks that never joined.
       sync_batch_norm: as for `MirroredOptions`: BatchNormalization statistics
         over the global batch of all workers.
+      shard, offload, shard_min_bytes: as for `MirroredOptions` (sharding is
+        over every replica of every worker).
     """
 
     preset: ClassVar[str] = "multi_worker_mirrored"
@@ -250,6 +343,11 @@ class MultiWorkerMirroredOptions(PresetOptions):
         "help": "mirrored, multi_worker_mirrored: BatchNormalization statistics over the "
                 "global batch (two all-reduces per BN layer per step) instead of each "
                 "replica's slice."})
+    shard: Shard = dataclasses.field(default="none", metadata={"help": _SHARD_HELP["shard"]})
+    offload: Offload = dataclasses.field(default="none",
+                                         metadata={"help": _SHARD_HELP["offload"]})
+    shard_min_bytes: int = dataclasses.field(default=DEFAULT_SHARD_MIN_BYTES, metadata={
+        "help": _SHARD_HELP["shard_min_bytes"]})
 
     def __post_init__(self):
         _check_bool("sync_batch_norm", self.sync_batch_norm)
@@ -266,6 +364,7 @@ class MultiWorkerMirroredOptions(PresetOptions):
             )
         _check_seconds("collective_timeout", self.collective_timeout, allow_none=True)
         _check_seconds("join_timeout", self.join_timeout, allow_none=False)
+        _check_sharding(self)
 
 
 # --- parameter_server ----------------------------------------------------------

@@ -635,6 +635,86 @@ def zero_bytes_per_param(num_devices: int, stage: Literal[0, 1, 2, 3] = 3) -> fl
     return {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardedStateBytes:
+    """Bytes one replica's device holds of the training state under ZeRO-style sharding.
+
+    Attributes:
+      parameters: the trainable weights it stores.
+      gradients: the reduced gradients the optimizer update receives.
+      optimizer: optimizer slots and scalars on the replica's device.
+      offloaded: optimizer slots this replica keeps on the host instead
+        (offload="optimizer"; 0 otherwise).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    offloaded: int = 0
+
+    @property
+    def total(self) -> int:
+        """On the replica's device (offloaded bytes are on the host)."""
+        return self.parameters + self.gradients + self.optimizer
+
+
+def sharded_state_bytes(variable_sizes: Sequence[int], *, stage: int, num_shards: int,
+                        optimizer: OptimizerState | str = "adam", bytes_per_element: int = 4,
+                        min_shard_bytes: int = 0, offload: bool = False) -> ShardedStateBytes:
+    """Per-replica state under ZeRO stage `stage` (0 none, 1 optimizer, 2 gradients, 3 params).
+
+    Each trainable variable of n elements is split when n * b >= min_shard_bytes
+    into N shards of ceil(n / N) elements (zero-padded); smaller ones stay whole
+    on every replica. With s = sum over split variables of ceil(n/N) * b,
+    w = the same variables whole (sum of n * b), r = the variables kept whole,
+    k = optimizer slots per variable:
+
+      parameters = (s if stage >= 3 else w) + r
+      gradients  = (s if stage >= 2 else w) + r
+      optimizer  = k * ((s if stage >= 1 else w) + r) + scalars
+
+    With offload, the k * s bytes of split slots live on the host (`offloaded`).
+    fp32 Adam (k = 2, b = 4), everything split, N dividing every n: 16 bytes
+    per parameter -> 8 + 8/N (stage 1), 4 + 12/N (stage 2), 16/N (stage 3).
+
+    Args:
+      variable_sizes: element counts of the trainable variables.
+      stage: ZeRO stage, 0-3.
+      num_shards: N, the replicas in sync.
+      optimizer: an `OptimizerState` or an optimizer name.
+      bytes_per_element: b (4 for fp32).
+      min_shard_bytes: variables smaller than this stay whole.
+      offload: slots of split variables on the host (needs stage >= 1).
+
+    Raises:
+      ValueError: a stage outside 0-3, non-positive shards, offload at stage 0.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3. Received: stage={stage!r}")
+    _check_positive("num_shards", num_shards, integer=True)
+    _check_positive("bytes_per_element", bytes_per_element, integer=True)
+    _check_positive("min_shard_bytes", min_shard_bytes, integer=True, allow_zero=True)
+    if offload and stage == 0:
+        raise ValueError("offload keeps the optimizer's shards on the host: it needs stage >= 1. "
+                         "Received: stage=0, offload=True.")
+    if isinstance(optimizer, str):
+        optimizer = optimizer_state(optimizer)
+    b, n = bytes_per_element, num_shards
+    split = [int(size) for size in variable_sizes if int(size) * b >= max(min_shard_bytes, 1)]
+    kept = [int(size) for size in variable_sizes if int(size) * b < max(min_shard_bytes, 1)]
+    s = sum(-(-size // n) for size in split) * b
+    w = sum(split) * b
+    r = sum(kept) * b
+    k = optimizer.slots_per_variable
+    slots_split = k * (s if stage >= 1 else w)
+    return ShardedStateBytes(
+        parameters=(s if stage >= 3 else w) + r,
+        gradients=(s if stage >= 2 else w) + r,
+        optimizer=(0 if offload else slots_split) + k * r + optimizer.scalar_bytes,
+        offloaded=slots_split if offload else 0,
+    )
+
+
 # --- communication --------------------------------------------------------------------
 
 

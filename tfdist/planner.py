@@ -62,15 +62,18 @@ class Variant:
 
 
 VARIANTS: tuple[Variant, ...] = (
+    # Stage 1 all-reduces the whole gradient, then all-gathers the updated shards
+    # (docs/sharding.md): 1.5x plain data parallelism's traffic. Stage 2 replaces the
+    # all-reduce with a reduce-scatter: the same traffic as plain data parallelism.
     Variant((("shard", "optimizer"),), "optimizer slots sharded over the replicas (ZeRO-1)",
-            state="optimizer"),
+            state="optimizer", traffic=1.5),
     Variant((("shard", "gradients"),), "optimizer slots and gradients sharded (ZeRO-2)",
             state="gradients"),
     Variant((("shard", "parameters"),), "slots, gradients and weights sharded, weights "
             "gathered one layer at a time (ZeRO-3)", state="parameters", traffic=1.5),
-    Variant((("shard", "optimizer"), ("offload", "optimizer")),
-            "optimizer slots and update on the host (ZeRO-Offload)", state="offload",
-            host_traffic=2.0),
+    Variant((("shard", "gradients"), ("offload", "optimizer")),
+            "gradients sharded, optimizer slots and update on the host (ZeRO-Offload)",
+            state="offload", host_traffic=2.0),
     Variant((("gradient_compression", "bf16"),), "gradients all-reduced in bfloat16",
             traffic=0.5),
     Variant((("gradient_compression", "fp16"),), "gradients all-reduced in float16",
@@ -128,7 +131,7 @@ def _variant_memory(base: cost.MemoryEstimate, variant: Variant, replicas: int,
     memory = base
     if variant.state in ("optimizer", "gradients", "parameters"):
         memory = dataclasses.replace(memory, optimizer=math.ceil(slots / n) + opt.scalar_bytes)
-    if variant.state in ("gradients", "parameters"):
+    if variant.state in ("gradients", "parameters", "offload"):
         memory = dataclasses.replace(memory, gradients=math.ceil(base.gradients / n))
     if variant.state == "parameters":
         bytes_per_param = stats.trainable_bytes / stats.num_params
@@ -269,6 +272,15 @@ class Plan:
                 return candidate
         raise ValueError(f"No candidate {preset!r} in this plan. Candidates: "
                          f"{', '.join(c.preset for c in self.candidates)}.")
+
+    @property
+    def recommended_candidate(self) -> Candidate | None:
+        """The recommended candidate, with its options (None when nothing fits)."""
+        for candidate in self.candidates:
+            if (candidate.preset == self.recommended
+                    and tuple(candidate.options) == tuple(self.recommended_options)):
+                return candidate
+        return None
 
     def candidate_named(self, name: str) -> Candidate:
         """The candidate whose `name` (preset[options]) is `name`."""

@@ -135,6 +135,10 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         # too); global-batch statistics where the preset's options ask for them.
         batch_norm.configure(strategy,
                              sync_batch_norm=getattr(opts, "sync_batch_norm", False))
+        if getattr(opts, "shard", "none") != "none":
+            from tfdist import sharding
+
+            sharding.attach(strategy, opts)
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 
