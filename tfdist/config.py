@@ -100,6 +100,103 @@ class OneDeviceOptions(PresetOptions):
             check_device_name(self.device)
 
 
+# --- gradient compression and buckets (tfdist/comm/) -----------------------------------
+
+GradientCompression = Literal["none", "fp16", "bf16", "powersgd"]
+GRADIENT_COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
+DEFAULT_POWERSGD_RANK = 4
+DEFAULT_POWERSGD_WARMUP_STEPS = 100
+
+_COMM_HELP = {
+    "gradient_compression": "mirrored, multi_worker_mirrored: compress gradients before the "
+                            "all-reduce: none; fp16 or bf16 (half the bytes: cast, sum, cast "
+                            "back); powersgd (low-rank P, Q with error feedback, Vogels et al. "
+                            "2019). Sparse (IndexedSlices) gradients are never compressed.",
+    "powersgd_rank": "mirrored, multi_worker_mirrored with --gradient_compression=powersgd: rank "
+                     f"of the approximation (default {DEFAULT_POWERSGD_RANK}); at most the "
+                     "smaller dimension of every weight matrix.",
+    "powersgd_warmup_steps": "mirrored, multi_worker_mirrored with "
+                             "--gradient_compression=powersgd: optimizer steps all-reduced "
+                             f"uncompressed first (default {DEFAULT_POWERSGD_WARMUP_STEPS}).",
+    "bucket_bytes": "mirrored, multi_worker_mirrored: all-reduce gradients in buckets of about "
+                    "this many bytes, last layers first, each launched as soon as its own "
+                    "gradients exist so communication overlaps the backward pass (0: one "
+                    "all-reduce of every gradient, as Keras does).",
+}
+
+# Presets that reduce gradients some other way than TensorFlow's collectives.
+_NOT_COLLECTIVE = {"reduction_to_one_device": "sums on one device",
+                   "hierarchical_copy": "copies between GPUs",
+                   "nccl": "calls NCCL"}
+
+
+def _comm_field(name: str, default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": _COMM_HELP[name]})
+
+
+def _check_comm_options(options: Any, *, reducer: str) -> None:
+    """Validates the gradient compression and bucket options of a synchronous preset.
+
+    Args:
+      options: MirroredOptions or MultiWorkerMirroredOptions.
+      reducer: how that preset reduces ("ring", "auto", "nccl", ...).
+    """
+    compression = options.gradient_compression
+    if compression not in GRADIENT_COMPRESSIONS:
+        raise ValueError(
+            f"gradient_compression must be one of {', '.join(GRADIENT_COMPRESSIONS)}. "
+            f"Received: gradient_compression={compression!r}")
+    powersgd = compression == "powersgd"
+    for name in ("powersgd_rank", "powersgd_warmup_steps"):
+        if getattr(options, name) is not None and not powersgd:
+            raise ValueError(
+                f"{name} only applies with gradient_compression='powersgd'. Received: "
+                f"{name}={getattr(options, name)!r}, gradient_compression={compression!r}. "
+                f"Add gradient_compression='powersgd' or drop {name}.")
+    if powersgd:
+        rank = options.powersgd_rank
+        if rank is not None:
+            _check_positive_int("powersgd_rank", rank)
+        steps = options.powersgd_warmup_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                                  or steps < 0):
+            raise ValueError("powersgd_warmup_steps must be an integer >= 0 (0: compress from "
+                             f"the first step). Received: powersgd_warmup_steps={steps!r}")
+    bucket = options.bucket_bytes
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+        raise ValueError("bucket_bytes must be an integer >= 0 (0: one all-reduce). Received: "
+                         f"bucket_bytes={bucket!r}")
+    if compression == "none" and not bucket:
+        return
+    what = (f"gradient_compression={compression!r}" if compression != "none"
+            else f"bucket_bytes={bucket}")
+    if reducer in _NOT_COLLECTIVE:
+        raise ValueError(
+            f"{what} runs on TensorFlow's collective all-reduce, and "
+            f"{'cross_device_ops' if options.preset == 'mirrored' else 'communication'}="
+            f"{reducer!r} {_NOT_COLLECTIVE[reducer]} instead. Use "
+            f"{'cross_device_ops' if options.preset == 'mirrored' else 'communication'}='ring' "
+            "(or 'auto' on CPUs), or drop gradient_compression and bucket_bytes.")
+    shard = getattr(options, "shard", "none")
+    if shard != "none":
+        # Sharding reduce-scatters the gradients in its own GradientSync.
+        raise ValueError(
+            f"{what} cannot be combined with shard={shard!r}: sharding reduce-scatters the "
+            "gradients itself and does not compress them. Use one of the two: drop "
+            "gradient_compression/bucket_bytes, or shard='none'.")
+
+
+def powersgd_rank_of(options: Any) -> int:
+    """The PowerSGD rank of validated options (the default when unset)."""
+    return options.powersgd_rank or DEFAULT_POWERSGD_RANK
+
+
+def powersgd_warmup_of(options: Any) -> int:
+    """The PowerSGD warm-up steps of validated options (the default when unset)."""
+    steps = options.powersgd_warmup_steps
+    return DEFAULT_POWERSGD_WARMUP_STEPS if steps is None else steps
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MirroredOptions(PresetOptions):
     """Synchronous data parallelism on one machine (`MirroredStrategy`).
@@ -126,6 +223,10 @@ class MirroredOptions(PresetOptions):
         "help": "mirrored: gradient reduction. auto (TF picks), ring (collective ring "
                 "all-reduce), reduction_to_one_device (central reducer), hierarchical_copy, "
                 "nccl (GPUs only)."})
+    gradient_compression: GradientCompression = _comm_field("gradient_compression", "none")
+    powersgd_rank: int | None = _comm_field("powersgd_rank", None)
+    powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
+    bucket_bytes: int = _comm_field("bucket_bytes", 0)
 
     def __post_init__(self):
         if self.devices is not None:
@@ -156,6 +257,7 @@ class MirroredOptions(PresetOptions):
                 f"cross_device_ops must be one of {', '.join(CROSS_DEVICE_OPS)}. "
                 f"Received: cross_device_ops={self.cross_device_ops!r}"
             )
+        _check_comm_options(self, reducer=self.cross_device_ops)
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -229,6 +331,10 @@ class MultiWorkerMirroredOptions(PresetOptions):
     join_timeout: float = dataclasses.field(default=120.0, metadata={
         "help": "multi_worker_mirrored: seconds to wait for every task to join before "
                 "failing with the names of the missing tasks."})
+    gradient_compression: GradientCompression = _comm_field("gradient_compression", "none")
+    powersgd_rank: int | None = _comm_field("powersgd_rank", None)
+    powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
+    bucket_bytes: int = _comm_field("bucket_bytes", 0)
 
     def __post_init__(self):
         if self.communication not in COMMUNICATION_IMPLEMENTATIONS:
@@ -244,6 +350,13 @@ class MultiWorkerMirroredOptions(PresetOptions):
             )
         _check_seconds("collective_timeout", self.collective_timeout, allow_none=True)
         _check_seconds("join_timeout", self.join_timeout, allow_none=False)
+        _check_comm_options(self, reducer=self.communication)
+        if self.bucket_bytes and self.bytes_per_pack:
+            raise ValueError(
+                "Pass either bucket_bytes (tfdist's buckets, launched as their gradients "
+                "exist; works with gradient_compression) or bytes_per_pack (TensorFlow's "
+                f"packs inside one all-reduce), not both. Received: bucket_bytes="
+                f"{self.bucket_bytes}, bytes_per_pack={self.bytes_per_pack}.")
 
 
 # --- parameter_server ----------------------------------------------------------

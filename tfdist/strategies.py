@@ -124,6 +124,10 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         from tfdist.compat import optimizer_update
 
         optimizer_update.install()
+        from tfdist import comm
+
+        if comm.wants_sync(opts):
+            comm.attach(strategy, opts)  # gradient compression / buckets (tfdist.comm)
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 
