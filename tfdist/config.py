@@ -523,6 +523,57 @@ class SplitOptions:
         return self.split != "none"
 
 
+# --- per-step knobs, independent of the preset (tfdist/step_options.py) -----------------
+
+MixedPrecision = Literal["none", "mixed_float16", "mixed_bfloat16"]
+MIXED_PRECISIONS: tuple[str, ...] = ("none", "mixed_float16", "mixed_bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """How each training step runs, under any preset (flags --mixed_precision, ...).
+
+    Attributes:
+      mixed_precision: "none" (float32), "mixed_float16" (float16 compute,
+        float32 variables, dynamic loss scaling) or "mixed_bfloat16".
+      loss_scale: initial dynamic loss scale for mixed_float16 (default:
+        Keras's 2**15).
+      steps_per_execution: training steps per call of the compiled function.
+      jit_compile: compile the training step with XLA.
+    """
+
+    mixed_precision: MixedPrecision = dataclasses.field(default="none", metadata={
+        "help": "Keras dtype policy for the model: none (float32), mixed_float16 (with dynamic "
+                "loss scaling) or mixed_bfloat16."})
+    loss_scale: float | None = dataclasses.field(default=None, metadata={
+        "help": "--mixed_precision=mixed_float16: initial dynamic loss scale (default 32768)."})
+    steps_per_execution: int = dataclasses.field(default=1, metadata={
+        "help": "Training steps per call of the compiled training function."})
+    jit_compile: bool = dataclasses.field(default=False, metadata={
+        "help": "Compile the training step with XLA."})
+
+    def __post_init__(self):
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(
+                f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}. Received: "
+                f"mixed_precision={self.mixed_precision!r}")
+        if self.loss_scale is not None:
+            if self.mixed_precision != "mixed_float16":
+                raise ValueError(
+                    "loss_scale only applies with mixed_precision='mixed_float16' (bfloat16 "
+                    f"and float32 need no loss scaling). Received: loss_scale={self.loss_scale!r}"
+                    f", mixed_precision={self.mixed_precision!r}.")
+            if (isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float))
+                    or not self.loss_scale > 0 or self.loss_scale != self.loss_scale
+                    or self.loss_scale == float("inf")):
+                raise ValueError("loss_scale must be a finite number > 0, e.g. 32768. Received: "
+                                 f"loss_scale={self.loss_scale!r}")
+        _check_positive_int("steps_per_execution", self.steps_per_execution)
+        if not isinstance(self.jit_compile, bool):
+            raise ValueError(f"jit_compile must be True or False. Received: "
+                             f"jit_compile={self.jit_compile!r}")
+
+
 # --- auto (cost model / planner) ---------------------------------------------------
 
 
