@@ -18,10 +18,15 @@ FLAGS = flags.FLAGS
 def main() -> None:
     FLAGS(["train"])
     import tfdist
+    import tfdist._tf
 
     tfdist.configure_logical_devices(FLAGS.logical_devices)
     accuracy = {}
+    tf = tfdist._tf.import_tensorflow()
     for method in sys.argv[1:]:
+        # train.run builds its shuffled dataset before it seeds Keras: as in a run of its
+        # own (`python -m experiments.train`), no global seed is set at that point.
+        tf.random.set_seed(None)
         options = tfdist.MirroredOptions(gradient_compression=method)
         metrics = train.run(
             strategy_options=options, model_name=FLAGS.model, dataset_name=FLAGS.dataset,

@@ -22,13 +22,12 @@ from tfdist import config as config_lib
 
 # Combinations Keras 3 + TensorFlow fail at the first step, by strategy type.
 _MIRRORED_SPE = (
-    "steps_per_execution > 1 under MirroredStrategy fails in Keras 3's multi-step loop "
+    "steps_per_execution > 1 with several synchronous replicas fails in Keras 3's multi-step loop "
     "('You must feed a value for placeholder tensor ... while/cond/Placeholder', "
     "keras-team/keras#19246: the distributed step runs inside a tf.cond in a tf.while_loop)")
 _MIRRORED_XLA = (
-    "jit_compile=True under MirroredStrategy on CPUs fails: XLA cannot compile the "
-    "replicas' collective all-reduce on the CPU (TensorFlow compiles distributed steps with "
-    "XLA on GPUs and TPUs only)")
+    "jit_compile=True with several synchronous replicas on CPUs fails at the first step "
+    "(UnimplementedError): XLA cannot compile the replicas' collective all-reduce on the CPU")
 
 
 def check(options: config_lib.StepOptions, strategy: Any) -> None:
@@ -41,21 +40,22 @@ def check(options: config_lib.StepOptions, strategy: Any) -> None:
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
-    mirrored = (isinstance(strategy, tf.distribute.MirroredStrategy)
-                and strategy.num_replicas_in_sync > 1)
-    if not mirrored:
+    synchronous = isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                        tf.distribute.MultiWorkerMirroredStrategy))
+    if not synchronous or strategy.num_replicas_in_sync < 2:
         return
-    on_cpus = not any("GPU" in d.upper() for d in strategy.extended.worker_devices)
     if options.steps_per_execution > 1:
         raise ValueError(
             f"{_MIRRORED_SPE}. Received: steps_per_execution={options.steps_per_execution} with "
-            f"{strategy.num_replicas_in_sync} mirrored replicas. Use steps_per_execution=1 "
-            "here, or multi_worker_mirrored (one replica per process), where it works.")
+            f"{strategy.num_replicas_in_sync} synchronous replicas ({type(strategy).__name__}). "
+            "Use steps_per_execution=1 with mirrored and multi_worker_mirrored; it works "
+            "with one replica and with parameter_server.")
+    on_cpus = not any("GPU" in d.upper() for d in strategy.extended.worker_devices)
     if options.jit_compile and on_cpus:
         raise ValueError(
             f"{_MIRRORED_XLA}. Received: jit_compile=True on "
             f"{', '.join(strategy.extended.worker_devices)}. Drop jit_compile, or use "
-            "multi_worker_mirrored or parameter_server, where XLA compiles each worker's step.")
+            "parameter_server, where XLA compiles each worker's step.")
 
 
 @contextlib.contextmanager
