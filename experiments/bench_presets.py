@@ -36,6 +36,7 @@ MFU_BATCH = 512
 MFU_TARGET = 0.60
 WRAPPER_TARGET = 0.98
 ALLREDUCE_TOLERANCE = 0.30
+SPE = 8  # steps_per_execution of the "plain fit, steps_per_execution" row
 
 
 def configure() -> None:
@@ -86,11 +87,13 @@ class _Config:
     between the end of the first step and the end of the last one.
     """
 
-    def __init__(self, name, strategy, build, dataset, steps):
+    def __init__(self, name, strategy, build, dataset, steps, steps_per_execution=1):
         import keras
 
         self.name = name
         self.steps = steps
+        # Keras calls batch-end callbacks once per execution of `spe` steps.
+        self.spe = steps_per_execution
         self.dataset = dataset
         scope = strategy.scope() if strategy is not None else _nullcontext()
         with scope:
@@ -100,13 +103,15 @@ class _Config:
         self._clock = _StepClock()
 
     def warm_up(self):
-        self.model.fit(self.dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False)
+        self.model.fit(self.dataset, steps_per_epoch=2 * self.spe, epochs=1, verbose=0,
+                       shuffle=False)
 
     def time_round(self, batch):
-        self.model.fit(self.dataset, steps_per_epoch=self.steps + 1, epochs=1, verbose=0,
+        calls = max(2, self.steps // self.spe + 1)
+        self.model.fit(self.dataset, steps_per_epoch=calls * self.spe, epochs=1, verbose=0,
                        shuffle=False, callbacks=[self._clock])
         ends = self._clock.ends
-        self.samples_per_sec.append((len(ends) - 1) * batch / (ends[-1] - ends[0]))
+        self.samples_per_sec.append((len(ends) - 1) * self.spe * batch / (ends[-1] - ends[0]))
 
     @property
     def median(self):
@@ -169,14 +174,17 @@ def _throughput(quick):
     tf = import_tensorflow()
     data = _dataset(tf, 784, 10, GLOBAL_BATCH)
 
-    def build():
+    def build(steps_per_execution=1):
         model = _mlp(keras, 784, (512, 512), 10)
         model.compile(keras.optimizers.Adam(1e-3),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=steps_per_execution)
         return model
 
     steps = 6 if quick else 15
-    configs = [_Config("plain fit", None, build, data, steps)]
+    configs = [_Config("plain fit", None, build, data, steps),
+               _Config(f"plain fit, steps_per_execution {SPE}", None,
+                       lambda: build(SPE), data, 2 * SPE, steps_per_execution=SPE)]
     for n in (1, 2, 4):
         configs.append(_Config(f"tfdist mirrored x{n}",
                                tfdist.make_strategy("mirrored", num_devices=n), build, data, steps))
@@ -206,8 +214,19 @@ def _throughput(quick):
         c = by_name[f"tfdist mirrored x{n}"]
         rows.append(_row(
             f"mirrored x{n} logical CPUs / plain fit", _paired_ratio(c, plain), "x", None,
-            f"{c.median:,.0f} samples/s; logical CPUs share the physical cores, so no "
+            f"{c.median:,.0f} samples/s; baseline plain fit on 1 device, both with TF's default "
+            f"threads (all cores), steps_per_execution 1; logical CPUs share the physical cores, so no "
             "speed-up is expected here (a correctness and test tool on CPU)"))
+    plain_spe = by_name[f"plain fit, steps_per_execution {SPE}"]
+    two = by_name["tfdist mirrored x2"]
+    rows.append(_row(
+        f"mirrored x2 / plain fit with steps_per_execution {SPE}", _paired_ratio(two, plain_spe),
+        "x", None,
+        f"mirrored x2 (2 logical CPUs, TF's default threads, steps_per_execution 1) vs plain "
+        f"fit (1 device, TF's default threads, steps_per_execution {SPE}: "
+        f"{plain_spe.median:,.0f} samples/s, {_paired_ratio(plain_spe, plain):.2f}x plain fit "
+        f"without it). mirrored x2 with steps_per_execution > 1 is refused: Keras 3's "
+        "multi-step loop fails under several replicas (keras-team/keras#19246)"))
     details = {name: c.samples_per_sec for name, c in by_name.items()}
     return rows, details
 
