@@ -96,8 +96,11 @@ def _scaling_worker(quick: bool, out: str) -> None:
     import numpy as np
 
     import tfdist
+    from experiments.bench_comm import _pin
 
-    tfdist.configure_threads(intra_op=1)
+    task_id = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
+    _pin(task_id)  # one core per worker, as the 1-worker baseline has one
+    tfdist.configure_threads(intra_op=1, inter_op=1)
     tf = tfdist._tf.import_tensorflow()
     import keras
 
@@ -245,9 +248,9 @@ def run(quick: bool) -> list[dict]:
     one, two = rounds[[two["samples_per_sec"] / one["samples_per_sec"]
                        for one, two in rounds].index(speedups[len(speedups) // 2])]
     rows.append(_row("scaling_1worker_samples_per_sec", one["samples_per_sec"], "samples/s",
-                     f"1 worker x 1 thread, batch {PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}"))
+                     f"1 worker x 1 thread (intra 1, inter 1, pinned to one core), batch {PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}"))
     rows.append(_row("scaling_2workers_samples_per_sec", two["samples_per_sec"], "samples/s",
-                     f"2 workers x 1 thread, {PER_WORKER_BATCH} per worker"))
+                     f"2 workers x 1 thread (intra 1, inter 1), each pinned to its own core, {PER_WORKER_BATCH} per worker"))
     comm = alpha + two["gradient_bytes"] * beta
     load = os.getloadavg()[0]
     rows.append(_row("scaling_2workers_vs_1", speedup, "x",

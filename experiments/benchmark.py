@@ -35,8 +35,8 @@ import time
 from absl import app, flags
 
 # Other issues' benchmark modules (experiments/bench_<topic>.py with run(quick) -> rows).
-BENCH_MODULES = ("bench_multiworker", "bench_comm", "bench_ps", "bench_split",
-                 "bench_sharding")
+BENCH_MODULES = ("bench_multiworker", "bench_comm", "bench_allreduce", "bench_ps",
+                 "bench_split", "bench_sharding")
 ROW_KEYS = ("name", "value", "unit", "target", "ratio", "note")
 
 _QUICK = flags.DEFINE_bool("quick", False, "CI smoke run: fewer, shorter rounds (~1-2 min).")
