@@ -36,11 +36,17 @@ from absl import app, flags
 
 from experiments.rows import print_rows, write_rows
 
-flags.DEFINE_bool("quick", False, "Fewer repeats (a smoke run).")
-flags.DEFINE_string("out", "results/bench_allreduce.json", "Where to write the JSON.")
-flags.DEFINE_string("trace_dir", None, "Keep worker 0's profiler trace here.")
-flags.DEFINE_string("role", None, "Internal: run as a launched worker with this JSON config.")
-flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+def _define_flags() -> None:
+    """Flags of this module as a program (not at import: experiments.benchmark and
+    other bench modules import it, and define flags of the same names)."""
+    flags.DEFINE_bool("quick", False, "Fewer repeats (a smoke run).")
+    flags.DEFINE_string("out", "results/bench_allreduce.json", "Where to write the JSON.")
+    flags.DEFINE_string("trace_dir", None, "Keep worker 0's profiler trace here.")
+    flags.DEFINE_string("role", None, "Internal: run as a launched worker with this JSON config.")
+    flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+
 FLAGS = flags.FLAGS
 
 MB = 1024 * 1024
@@ -240,4 +246,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -40,10 +40,16 @@ from absl import app, flags
 
 from experiments.rows import print_rows, write_rows
 
-flags.DEFINE_bool("quick", False, "One short round (a smoke run).")
-flags.DEFINE_string("out", "results/bench_comm.json", "Where to write the JSON.")
-flags.DEFINE_string("role", None, "Internal: run as a launched worker with this JSON config.")
-flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+def _define_flags() -> None:
+    """Flags of this module as a program (not at import: experiments.benchmark and
+    other bench modules import it, and define flags of the same names)."""
+    flags.DEFINE_bool("quick", False, "One short round (a smoke run).")
+    flags.DEFINE_string("out", "results/bench_comm.json", "Where to write the JSON.")
+    flags.DEFINE_string("role", None, "Internal: run as a launched worker with this JSON config.")
+    flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+
 FLAGS = flags.FLAGS
 
 WIDTHS = (784, 1024, 1024, 512, 10)
@@ -305,4 +311,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

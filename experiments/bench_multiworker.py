@@ -29,10 +29,16 @@ import time
 from experiments.rows import print_rows, write_rows
 from absl import app, flags
 
-flags.DEFINE_bool("quick", False, "Fewer sizes and repeats (a smoke run).")
-flags.DEFINE_string("out", "results/bench_multiworker.json", "Where to write the JSON.")
-flags.DEFINE_enum("role", None, ["allreduce", "scaling"], "Internal: run as a launched worker.")
-flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+def _define_flags() -> None:
+    """Flags of this module as a program (not at import: experiments.benchmark and
+    other bench modules import it, and define flags of the same names)."""
+    flags.DEFINE_bool("quick", False, "Fewer sizes and repeats (a smoke run).")
+    flags.DEFINE_string("out", "results/bench_multiworker.json", "Where to write the JSON.")
+    flags.DEFINE_enum("role", None, ["allreduce", "scaling"], "Internal: run as a launched worker.")
+    flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+
 FLAGS = flags.FLAGS
 
 KB, MB = 1024, 1024 * 1024
@@ -281,4 +287,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
