@@ -12,8 +12,9 @@ Layer by layer, each measured in the same run on the same machine:
    back (TensorFlow's gRPC worker service sends collective chunks as
    `RecvBufResponse` protobufs), and a plain 64 MB memcpy for scale;
 4. TensorFlow's ring all-reduce (MultiWorkerMirroredStrategy, RING) of 64 MB:
-   as one tensor, and as 16 tensors of 4 MB in 4 MB packs (bytes_per_pack),
-   each a separate collective in flight at once;
+   as one tensor, and as 4 x 16 MB, 16 x 4 MB and 64 x 1 MB tensors in packs
+   of their size (bytes_per_pack: one collective each); and tfdist's
+   `bucket_bytes=4 MB`, which cuts one 64 MB gradient into such pieces;
 5. a TensorFlow profiler trace of one 64 MB all-reduce on worker 0: host
    events aggregated by name (written to --trace_dir for TensorBoard), so the
    report names the events that take the time.
@@ -52,6 +53,7 @@ FLAGS = flags.FLAGS
 MB = 1024 * 1024
 SIZE = 64 * MB
 PACK = 4 * MB
+PACKS = (16 * MB, 4 * MB, 1 * MB)
 
 
 # --- layers measured without TensorFlow's collectives ----------------------------------
@@ -126,18 +128,33 @@ def _worker(config: dict, out: str) -> None:
 
     tfdist.configure_threads(intra_op=1)
     tf = import_tensorflow()
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
-        bytes_per_pack=config["pack"])
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     pieces = config["pieces"]
     elements = SIZE // 4 // pieces
+    if config.get("bucket_bytes"):
+        # tfdist's buckets: one 64 MB gradient cut into bucket_bytes pieces, one
+        # collective each (tfdist.comm.CommSync.sum_dense).
+        from tfdist.compat import optimizer_update
+
+        strategy = tfdist.make_strategy("multi_worker_mirrored", communication="ring",
+                                        bucket_bytes=config["bucket_bytes"])
+        sync = optimizer_update.gradient_sync(strategy)
+
+        def all_reduce(values):
+            return sync.sum_dense(values)
+    else:
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+            bytes_per_pack=config["pack"])
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+        def all_reduce(values):
+            return tf.distribute.get_replica_context().all_reduce("SUM", values)
 
     @tf.function
     def step():
         def replica_fn():
             values = [tf.ones([elements]) * float(i + 1) for i in range(pieces)]
-            summed = tf.distribute.get_replica_context().all_reduce("SUM", values)
+            summed = all_reduce(values)
             return tf.add_n([s[0] for s in summed])
 
         return strategy.run(replica_fn)
@@ -150,32 +167,21 @@ def _worker(config: dict, out: str) -> None:
         step().numpy()
         times.append(time.perf_counter() - start)
     result = {"seconds": statistics.median(times)}
+    task = strategy.cluster_resolver.task_id
     if config.get("trace"):
-        trace_dir = config["trace"]
-        tf.profiler.experimental.start(trace_dir)
+        # Every worker runs the all-reduce; worker 0 records it (one trace file per host name).
+        if task == 0:
+            tf.profiler.experimental.start(config["trace"])
         step().numpy()
-        tf.profiler.experimental.stop()
-        result["events"] = _aggregate_trace(trace_dir)
-    if strategy.cluster_resolver.task_id == 0:
+        if task == 0:
+            tf.profiler.experimental.stop()
+            from tfdist.compat import profiler_trace
+
+            result["events"] = [(name, seconds * 1e3, count) for name, seconds, count
+                                in profiler_trace.host_events(config["trace"])]
+    if task == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-
-
-def _aggregate_trace(trace_dir: str, top: int = 12) -> list[tuple[str, float, int]]:
-    """(event name, total ms, count) of the host events in the trace, longest first."""
-    import glob
-    import gzip
-
-    totals: dict[str, list[float]] = {}
-    for path in glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True):
-        with gzip.open(path) as f:
-            trace = json.load(f)
-        for event in trace.get("traceEvents", []):
-            if event.get("ph") == "X" and "dur" in event:
-                name = event.get("name", "?")
-                totals.setdefault(name, []).append(event["dur"] / 1e3)
-    ranked = sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return [(name, sum(durations), len(durations)) for name, durations in ranked]
 
 
 def _launch(config: dict) -> dict:
@@ -210,8 +216,10 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
     proto = protobuf_seconds(repeats=repeats)
     keep = trace_dir or tempfile.mkdtemp(prefix="allreduce_trace_")
     one = _launch({"pack": 0, "pieces": 1, "repeats": repeats, "trace": keep})
-    packed = _launch({"pack": PACK, "pieces": SIZE // PACK, "repeats": repeats})
-    bus_one, bus_packed = SIZE / one["seconds"], SIZE / packed["seconds"]
+    packed = {pack: _launch({"pack": pack, "pieces": SIZE // pack, "repeats": repeats})
+              for pack in PACKS}
+    buckets = _launch({"pieces": 1, "repeats": repeats, "bucket_bytes": PACK})
+    bus_one = SIZE / one["seconds"]
     load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     rows = [
         _row("allreduce64: raw loopback TCP", tcp / 1e9, "GB/s", f"one stream; {load}"),
@@ -223,10 +231,20 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
         _row("allreduce64: TF ring all-reduce, one 64 MB tensor", bus_one / 1e9, "GB/s",
              f"bus bandwidth K/t, 2 workers x 1 intra-op thread: {bus_one / tcp:.2f} of raw TCP;"
              f" {one['seconds'] * 1e3:.0f} ms"),
-        _row("allreduce64: TF ring all-reduce, 16 x 4 MB packs", bus_packed / 1e9, "GB/s",
-             f"bytes_per_pack 4 MB: {bus_packed / tcp:.2f} of raw TCP; "
-             f"{packed['seconds'] * 1e3:.0f} ms"),
     ]
+    for pack, result in packed.items():
+        bus = SIZE / result["seconds"]
+        rows.append(_row(
+            f"allreduce64: TF ring all-reduce, {SIZE // pack} x {pack // MB} MB tensors",
+            bus / 1e9, "GB/s", f"bytes_per_pack {pack // MB} MB (one collective per pack): "
+            f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.1f}x the single tensor; "
+            f"{result['seconds'] * 1e3:.0f} ms"))
+    bus = SIZE / buckets["seconds"]
+    rows.append(_row(
+        f"allreduce64: tfdist bucket_bytes={PACK // MB} MB, one 64 MB tensor", bus / 1e9, "GB/s",
+        f"CommSync cuts the tensor into {PACK // MB} MB pieces, one collective each: "
+        f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.1f}x TensorFlow's single collective; "
+        f"{buckets['seconds'] * 1e3:.0f} ms"))
     events = "; ".join(f"{name} {ms:.0f} ms x{count}" for name, ms, count in one["events"][:8])
     rows.append(_row("allreduce64: profiled host events (worker 0, one all-reduce)",
                      len(one["events"]), "events", f"longest first: {events}; trace in {keep}"))

@@ -10,7 +10,9 @@
 Model Garden's flags --dtype, --loss_scale, --enable_xla and --steps_per_loop,
 as one validated options object. What TensorFlow + Keras 3.15 cannot run is
 refused before training with the reason, instead of failing inside the first
-step with a graph error (see `check`).
+step with a graph error (see `check`). `steps_per_execution > 1` with several
+replicas needs tfdist.compat.keras_multi_step (keras-team/keras#19246), which
+`make_strategy` installs.
 """
 
 from __future__ import annotations
@@ -20,20 +22,17 @@ from typing import Any, Iterator
 
 from tfdist import config as config_lib
 
-# Combinations Keras 3 + TensorFlow fail at the first step, by strategy type.
-_MIRRORED_SPE = (
-    "steps_per_execution > 1 with several synchronous replicas fails in Keras 3's multi-step loop "
-    "('You must feed a value for placeholder tensor ... while/cond/Placeholder', "
-    "keras-team/keras#19246: the distributed step runs inside a tf.cond in a tf.while_loop)")
-_MIRRORED_XLA = (
+# Combinations TensorFlow cannot run, by strategy type.
+_SYNC_XLA = (
     "jit_compile=True with several synchronous replicas on CPUs fails at the first step "
-    "(UnimplementedError): XLA cannot compile the replicas' collective all-reduce on the CPU")
+    "(MirroredStrategy: InvalidArgumentError; MultiWorkerMirroredStrategy: "
+    "UnimplementedError): XLA cannot compile the replicas' collective all-reduce on the CPU")
 
 
 def check(options: config_lib.StepOptions, strategy: Any) -> None:
     """Raises ValueError for a knob `strategy` cannot run, naming the fix.
 
-    Checked against TensorFlow 2.21 + Keras 3.15 (tests/test_step_options.py
+    Checked against TensorFlow 2.21 + Keras 3.15 (tests/test_step_options.py and tests/test_comm.py
     trains each combination under mirrored, multi_worker_mirrored and
     parameter_server).
     """
@@ -44,16 +43,10 @@ def check(options: config_lib.StepOptions, strategy: Any) -> None:
                                         tf.distribute.MultiWorkerMirroredStrategy))
     if not synchronous or strategy.num_replicas_in_sync < 2:
         return
-    if options.steps_per_execution > 1:
-        raise ValueError(
-            f"{_MIRRORED_SPE}. Received: steps_per_execution={options.steps_per_execution} with "
-            f"{strategy.num_replicas_in_sync} synchronous replicas ({type(strategy).__name__}). "
-            "Use steps_per_execution=1 with mirrored and multi_worker_mirrored; it works "
-            "with one replica and with parameter_server.")
     on_cpus = not any("GPU" in d.upper() for d in strategy.extended.worker_devices)
     if options.jit_compile and on_cpus:
         raise ValueError(
-            f"{_MIRRORED_XLA}. Received: jit_compile=True on "
+            f"{_SYNC_XLA}. Received: jit_compile=True on "
             f"{', '.join(strategy.extended.worker_devices)}. Drop jit_compile, or use "
             "parameter_server, where XLA compiles each worker's step.")
 

@@ -124,6 +124,9 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         from tfdist.compat import optimizer_update
 
         optimizer_update.install()
+        from tfdist.compat import keras_multi_step
+
+        keras_multi_step.install()  # steps_per_execution > 1 with several replicas
         from tfdist import comm
 
         if comm.wants_sync(opts):

@@ -140,39 +140,61 @@ class CommSync(optimizer_update.GradientSync):
             reduced = keras_all_reduce([grads_and_vars[i] for i in sparse])
             for i, (g, v) in zip(sparse, reduced):
                 out[i] = (optimizer_update.sum_duplicate_indices(g), v)
-        for bucket in self._buckets([grads_and_vars[i] for i in dense], dense):
-            grads = [grads_and_vars[i][0] for i in bucket]
-            variables = [grads_and_vars[i][1] for i in bucket]
-            for i, g in zip(bucket, self._exchange(optimizer, grads, variables)):
-                out[i] = (g, grads_and_vars[i][1])
+        if self.compression == "powersgd":
+            # Buckets of whole variables: PowerSGD factorises each matrix.
+            for bucket in _group(list(reversed(dense)),
+                                 lambda i: _nbytes(grads_and_vars[i][0]), self.bucket_bytes):
+                grads = [grads_and_vars[i][0] for i in bucket]
+                variables = [grads_and_vars[i][1] for i in bucket]
+                for i, g in zip(bucket, self._powersgd(optimizer, grads, variables)):
+                    out[i] = (g, grads_and_vars[i][1])
+            return out
+        for i, g in zip(dense, self.sum_dense([grads_and_vars[i][0] for i in dense])):
+            out[i] = (g, grads_and_vars[i][1])
         return out
 
-    def _buckets(self, pairs, indices) -> list[list[int]]:
-        """Indices grouped into buckets of ~bucket_bytes, the last variables first."""
-        order = list(reversed(list(zip(indices, pairs))))
-        if not self.bucket_bytes:
-            return [[i for i, _ in order]] if order else []
-        buckets, current, size = [], [], 0
-        for i, (g, _) in order:
-            nbytes = g.shape.num_elements() * g.dtype.size if g.shape.is_fully_defined() else 0
-            if current and size + nbytes > self.bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+    def sum_dense(self, grads: list) -> list:
+        """Sums dense gradients over replicas (cast to half precision for fp16/bf16).
 
-    def _exchange(self, optimizer, grads: list, variables: list) -> list:
-        if self.compression == "none":
-            return self._all_reduce(grads)
-        if self.compression in _HALF:
-            tf = import_tensorflow()
-            half = getattr(tf, _HALF[self.compression])
-            summed = self._all_reduce([tf.cast(g, half) for g in grads])
-            return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
-        return self._powersgd(optimizer, grads, variables)
+        Without bucket_bytes: one collective. With it: the gradients, last ones
+        first, are cut into pieces of at most bucket_bytes (a large gradient
+        becomes several pieces; small ones share a bucket), and each bucket is
+        its own collective, depending only on its own gradients. Smaller
+        messages also move faster over gRPC than one large one (see
+        experiments/bench_allreduce.py).
+        """
+        tf = import_tensorflow()
+        half = getattr(tf, _HALF[self.compression]) if self.compression in _HALF else None
+        sent = [tf.cast(g, half) if half is not None else g for g in grads]
+        if not self.bucket_bytes:
+            summed = self._all_reduce(sent)
+        else:
+            pieces = []  # (gradient index, piece), last gradients first
+            for index in reversed(range(len(sent))):
+                g = sent[index]
+                count = max(1, -(-_nbytes(grads[index]) // self.bucket_bytes))
+                if count == 1 or not g.shape.is_fully_defined():
+                    pieces.append((index, g))
+                    continue
+                flat = tf.reshape(g, [-1])
+                n = flat.shape[0]
+                sizes = [n // count + (1 if k < n % count else 0) for k in range(count)]
+                pieces += [(index, piece) for piece in tf.split(flat, sizes)]
+            reduced = {}
+            for bucket in _group(list(range(len(pieces))),
+                                 lambda k: _nbytes(pieces[k][1]) * (2 if half is not None else 1),
+                                 self.bucket_bytes):
+                for k, r in zip(bucket, self._all_reduce([pieces[k][1] for k in bucket])):
+                    reduced[k] = r
+            summed = []
+            for index, g in enumerate(sent):
+                parts = [reduced[k] for k, (i, _) in enumerate(pieces) if i == index]
+                # Pieces were cut last-gradient-first but in order within a gradient.
+                summed.append(parts[0] if len(parts) == 1 and parts[0].shape == g.shape
+                              else tf.reshape(tf.concat(parts, 0), tf.shape(g)))
+        if half is None:
+            return summed
+        return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
 
     def _all_reduce(self, tensors: list) -> list:
         return collectives.all_reduce_sum(self.strategy, tensors,
@@ -217,6 +239,31 @@ class CommSync(optimizer_update.GradientSync):
             out[i] = tf.cast(tf.reshape(approx, tf.shape(grads[i])), grads[i].dtype)
         with tf.control_dependencies(updates):
             return [tf.identity(g) for g in out]
+
+
+def _nbytes(tensor: Any) -> int:
+    """Bytes of a tensor of static shape (0 if unknown: it then never starts a new bucket)."""
+    if not tensor.shape.is_fully_defined():
+        return 0
+    return tensor.shape.num_elements() * tensor.dtype.size
+
+
+def _group(items: list, size_of: Callable, limit: int) -> list[list]:
+    """`items` in order, in consecutive groups of at most `limit` bytes (0: one group)."""
+    if not items:
+        return []
+    if not limit:
+        return [items]
+    groups, current, size = [], [], 0
+    for item in items:
+        nbytes = size_of(item)
+        if current and size + nbytes > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+    groups.append(current)
+    return groups
 
 
 def _initial_q(columns: int, rank: int, index: int) -> np.ndarray:
