@@ -148,6 +148,51 @@ def too_large_rank():
     raise AssertionError("powersgd_rank=6 on a 24x5 kernel trained")
 
 
+def resume_with_backup():
+    """PowerSGD state is saved by tfdist.BackupAndRestore: a resumed run is the same run.
+
+    Returns the max weight difference of (1 epoch, then a fresh model resuming
+    for 1 more) against 2 uninterrupted epochs, and the same with the restored
+    error feedback zeroed (negative control: must differ).
+    """
+    import tempfile
+
+    x, y = data(0)
+    strategy = tfdist.make_strategy("mirrored", num_devices=2, gradient_compression="powersgd",
+                                    powersgd_rank=2, powersgd_warmup_steps=0)
+
+    def fit(backup_dir, epochs, zero_error=False, interrupted=False):
+        with strategy.scope():
+            keras.utils.set_random_seed(3)
+            model = build()
+            model.compile(keras.optimizers.Adam(1e-2), LOSS)
+        # interrupted: the backup stays, as when the process is killed after epoch 1.
+        backup = tfdist.BackupAndRestore(backup_dir, delete_on_finish=not interrupted)
+        ds = backup.dataset(tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH))
+        callbacks = [backup]
+        if zero_error:
+            class ZeroError(keras.callbacks.Callback):
+                def on_train_begin(self, logs=None):
+                    for v in model.optimizer.variables:
+                        if v.name.endswith("_powersgd_error"):
+                            v.assign(np.zeros(v.shape, "float32"))
+            callbacks.append(ZeroError())
+        model.fit(ds, epochs=epochs, steps_per_epoch=4, verbose=0, callbacks=callbacks)
+        return [w.numpy() for w in model.weights]
+
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
+            tempfile.TemporaryDirectory() as c:
+        straight = fit(a, 2)
+        fit(b, 1, interrupted=True)
+        resumed = fit(b, 2)
+        fit(c, 1, interrupted=True)
+        zeroed = fit(c, 2, zero_error=True)
+    diff = max(float(np.abs(p - q).max()) for p, q in zip(straight, resumed))
+    control = max(float(np.abs(p - q).max()) for p, q in zip(straight, zeroed))
+    return {"resume_diff": diff, "zeroed_error_diff": control}
+
+
 if __name__ == "__main__":
     results = [main(m) for m in sys.argv[1:]]
-    print(json.dumps({"results": results, "rank_error": too_large_rank()}))
+    print(json.dumps({"results": results, "rank_error": too_large_rank(),
+                      **resume_with_backup()}))
