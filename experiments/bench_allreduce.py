@@ -12,9 +12,9 @@ Layer by layer, each measured in the same run on the same machine:
    back (TensorFlow's gRPC worker service sends collective chunks as
    `RecvBufResponse` protobufs), and a plain 64 MB memcpy for scale;
 4. TensorFlow's ring all-reduce (MultiWorkerMirroredStrategy, RING) of 64 MB:
-   as one tensor, and as 4 x 16 MB, 16 x 4 MB and 64 x 1 MB tensors in packs
-   of their size (bytes_per_pack: one collective each); and tfdist's
-   `bucket_bytes=4 MB`, which cuts one 64 MB gradient into such pieces;
+   as one tensor, and as 4 x 16 MB ... 256 x 256 KB tensors in packs of their
+   size (bytes_per_pack: one collective each); and tfdist's `bucket_bytes`
+   (4 MB, 1 MB), which cuts one 64 MB gradient into such pieces;
 5. a TensorFlow profiler trace of one 64 MB all-reduce on worker 0: host
    events aggregated by name (written to --trace_dir for TensorBoard), so the
    report names the events that take the time.
@@ -53,7 +53,8 @@ FLAGS = flags.FLAGS
 MB = 1024 * 1024
 SIZE = 64 * MB
 PACK = 4 * MB
-PACKS = (16 * MB, 4 * MB, 1 * MB)
+PACKS = (16 * MB, 4 * MB, 1 * MB, MB // 4)
+BUCKETS = (4 * MB, 1 * MB)
 
 
 # --- layers measured without TensorFlow's collectives ----------------------------------
@@ -218,7 +219,8 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
     one = _launch({"pack": 0, "pieces": 1, "repeats": repeats, "trace": keep})
     packed = {pack: _launch({"pack": pack, "pieces": SIZE // pack, "repeats": repeats})
               for pack in PACKS}
-    buckets = _launch({"pieces": 1, "repeats": repeats, "bucket_bytes": PACK})
+    buckets = {size: _launch({"pieces": 1, "repeats": repeats, "bucket_bytes": size})
+               for size in BUCKETS}
     bus_one = SIZE / one["seconds"]
     load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     rows = [
@@ -232,20 +234,24 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
              f"bus bandwidth K/t, 2 workers x 1 intra-op thread: {bus_one / tcp:.2f} of raw TCP;"
              f" {one['seconds'] * 1e3:.0f} ms"),
     ]
+    def size(nbytes):
+        return f"{nbytes // MB} MB" if nbytes >= MB else f"{nbytes // 1024} KB"
+
     for pack, result in packed.items():
         bus = SIZE / result["seconds"]
         rows.append(_row(
-            f"allreduce64: TF ring all-reduce, {SIZE // pack} x {pack // MB} MB tensors",
-            bus / 1e9, "GB/s", f"bytes_per_pack {pack // MB} MB (one collective per pack): "
+            f"allreduce64: TF ring all-reduce, {SIZE // pack} x {size(pack)} tensors",
+            bus / 1e9, "GB/s", f"bytes_per_pack {size(pack)} (one collective per pack): "
             f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.1f}x the single tensor; "
             f"{result['seconds'] * 1e3:.0f} ms"))
-    bus = SIZE / buckets["seconds"]
-    rows.append(_row(
-        f"allreduce64: tfdist bucket_bytes={PACK // MB} MB, one 64 MB tensor", bus / 1e9, "GB/s",
-        f"CommSync cuts the tensor into {PACK // MB} MB pieces, one collective each: "
-        f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.1f}x TensorFlow's single collective; "
-        f"{buckets['seconds'] * 1e3:.0f} ms"))
-    events = "; ".join(f"{name} {ms:.0f} ms x{count}" for name, ms, count in one["events"][:8])
+    for bucket, result in buckets.items():
+        bus = SIZE / result["seconds"]
+        rows.append(_row(
+            f"allreduce64: tfdist bucket_bytes={size(bucket)}, one 64 MB tensor", bus / 1e9,
+            "GB/s", f"CommSync cuts the tensor into {size(bucket)} pieces, one collective each: "
+            f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.1f}x TensorFlow's single collective; "
+            f"{result['seconds'] * 1e3:.0f} ms"))
+    events = "; ".join(f"{name} {ms:.0f} ms x{count}" for name, ms, count in one["events"])
     rows.append(_row("allreduce64: profiled host events (worker 0, one all-reduce)",
                      len(one["events"]), "events", f"longest first: {events}; trace in {keep}"))
     return rows

@@ -11,7 +11,7 @@ import glob
 import os
 
 
-def host_events(trace_dir: str, *, top: int = 12) -> list[tuple[str, float, int]]:
+def host_events(trace_dir: str, *, top: int = 16) -> list[tuple[str, float, int]]:
     """(event name, total seconds, count) of the trace's events, longest total first.
 
     Raises:
