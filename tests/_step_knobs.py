@@ -54,6 +54,21 @@ def replicas_identical(model):
     return True
 
 
+def overflow_on_one_replica():
+    """mixed_float16, replica 1's gradients overflow, replica 0's do not: the step must be
+    skipped on both (weights finite, loss scale halved)."""
+    x = np.ones((32, 4), "float32")
+    x[16:] = 1e30  # the second replica's half of the batch
+    y = np.zeros((32, 1), "float32")
+    options = tfdist.StepOptions(mixed_precision="mixed_float16")
+    with STRATEGY.scope(), step_lib.dtype_policy(options):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, dtype="float32")])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0)
+    return {"finite": bool(np.isfinite(model.layers[0].kernel.numpy()).all()),
+            "scale": float(model.optimizer.dynamic_scale.numpy())}
+
+
 def main():
     runs, weights = [], {}
     combos = [(p, spe, False) for p in ("none", "mixed_float16", "mixed_bfloat16")
@@ -90,6 +105,9 @@ def main():
             step_lib.check(tfdist.StepOptions(jit_compile=True), STRATEGY)
         except ValueError as e:
             out["jit_error"] = str(e)
+        out["overflow_on_one_replica"] = overflow_on_one_replica()
+        _patch.uninstall(["loss_scale.check_finite"])
+        out["overflow_on_one_replica_unpatched"] = overflow_on_one_replica()
         # Negative control: Keras's own multi-step loop, unpatched, fails here.
         _patch.uninstall(["keras_multi_step.make_function"])
         try:
