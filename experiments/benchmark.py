@@ -189,8 +189,11 @@ def markdown(report: dict) -> str:
     for row in report["rows"]:
         lines.append(f"| {row['name']} | {_fmt(row['value'])} {row['unit']} | "
                      f"{_fmt(row['target'])} | {_fmt(row['ratio'])} | {row['note']} |")
-    lines += ["", "| module | status |", "|---|---|"]
-    lines += [f"| {name} | {status} |" for name, status in report["modules"].items()]
+    loads = report.get("load_average", {})
+    lines += ["", "| module | status | load average before -> after |", "|---|---|---|"]
+    lines += [f"| {name} | {status} | " + (
+        f"{loads[name]['before']:.1f} -> {loads[name]['after']:.1f}" if name in loads else "-")
+        + " |" for name, status in report["modules"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -256,7 +259,7 @@ def main(argv):
         loads[name] = (before, os.getloadavg()[0])
         for row in module_rows:
             details.update(row.pop("details", None) or {})
-        modules[name] = status + f" (load average {before:.1f} -> {loads[name][1]:.1f})"
+        modules[name] = status
         rows += module_rows
         print(f"benchmark: {name}: {status}", flush=True)
     model_rows, details["cost_model_on_module_points"] = validate_points_rows(rows)
@@ -264,7 +267,9 @@ def main(argv):
     report = {
         "command": "python -m experiments.benchmark" + (" --quick" if quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "quick": quick, "machine": machine_description(), "modules": modules, "rows": rows,
+        "quick": quick, "machine": machine_description(), "modules": modules,
+        "load_average": {name: {"before": a, "after": b} for name, (a, b) in loads.items()},
+        "rows": rows,
         "details": details,
     }
     os.makedirs(_OUT_DIR.value, exist_ok=True)

@@ -47,10 +47,16 @@ def data(step):
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+_REFERENCE = []  # one single-device model, built once
+
+
 def replica_gradients(weights, x, y):
     """Each replica's gradient as Keras computes it: loss over its half / 2 replicas."""
-    model = build()
-    model.set_weights(weights)
+    if not _REFERENCE:
+        _REFERENCE.append(build())
+    model = _REFERENCE[0]
+    for variable, value in zip(model.trainable_variables, weights):
+        variable.assign(value)
     grads = []
     for r in range(2):
         part = slice(r * BATCH // 2, (r + 1) * BATCH // 2)
