@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 from absl import app, flags

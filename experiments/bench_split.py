@@ -248,8 +248,9 @@ def run(quick: bool, schedule: str = "free", onednn: bool = True) -> list[dict]:
         rows.append({
             "name": f"split/speedup_M{mb}_vs_equal_resources", "value": equal / t, "unit": "x",
             "target": None, "ratio": None,
-            "note": (f"2 stages on /cpu:0,/cpu:1 (intra 1, inter 2: 2 threads) vs the unsplit "
-                     f"model on 1 device with intra 2, inter 1 (2 threads): same cores")})
+            "note": (f"2 stages on /cpu:0,/cpu:1 (intra 1, inter 2: 2 threads), step "
+                     f"{t * 1e3:.1f} ms, vs the unsplit model on 1 device with intra 2, inter 1 "
+                     "(2 threads): the same cores")})
     for mb in MICRO_BATCHES:
         t = float(np.median(times["split"][mb]))
         speedup = base / t

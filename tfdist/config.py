@@ -210,6 +210,12 @@ class MirroredOptions(PresetOptions):
         is a collective ring all-reduce; "reduction_to_one_device" sums on one
         device and broadcasts back (a central reducer); "hierarchical_copy"
         and "nccl" are GPU algorithms ("nccl" needs GPUs).
+      gradient_compression: "none", "fp16", "bf16" or "powersgd": what the
+        all-reduce sends (tfdist.comm; docs/performance.md says when each helps).
+      powersgd_rank: PowerSGD's rank (default 4).
+      powersgd_warmup_steps: optimizer steps sent uncompressed first (default 100).
+      bucket_bytes: all-reduce in buckets of at most this many bytes, last
+        layers first (0: one all-reduce).
     """
 
     preset: ClassVar[str] = "mirrored"
@@ -316,6 +322,8 @@ class MultiWorkerMirroredOptions(PresetOptions):
       join_timeout: seconds to wait for every task to join when the strategy
         is created. TensorFlow waits forever; tfdist stops the process with an
         error naming the tasks that never joined.
+      gradient_compression, powersgd_rank, powersgd_warmup_steps, bucket_bytes:
+        as for MirroredOptions.
     """
 
     preset: ClassVar[str] = "multi_worker_mirrored"
