@@ -168,12 +168,17 @@ def _worker(config: dict, out: str) -> None:
         optimizer_update.set_gradient_sync(strategy, sync)
         variables = [v.value for v in model.trainable_variables]
 
+        def keras_all_reduce(grads_and_vars):
+            # What Keras's optimizer does (one all-reduce of every gradient), in public API.
+            grads = [g for g, _ in grads_and_vars]
+            summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+            return list(zip(summed, [v for _, v in grads_and_vars]))
+
         @tf.function
         def exchange():
             def replica_fn():
                 pairs = [(tf.ones_like(v) * 1e-3, v) for v in variables]
-                reduced = sync.reduce(model.optimizer, pairs,
-                                      model.optimizer._all_reduce_sum_gradients)
+                reduced = sync.reduce(model.optimizer, pairs, keras_all_reduce)
                 return tf.add_n([tf.reduce_sum(g) for g, _ in reduced])
 
             return strategy.run(replica_fn)

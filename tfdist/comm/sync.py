@@ -28,6 +28,7 @@ replicas stay identical.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -64,6 +65,8 @@ class CommSync(optimizer_update.GradientSync):
         self.warmup_steps = warmup_steps
         self.bucket_bytes = bucket_bytes
         self.bytes_per_pack = bytes_per_pack
+        # optimizer -> {variable key: (error, q)}; weak: an optimizer's state goes with it.
+        self._state_of: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         extra = (f", rank={self.rank}, warmup_steps={self.warmup_steps}"
@@ -110,20 +113,19 @@ class CommSync(optimizer_update.GradientSync):
         # object graph), so saved and restored with it.
         optimizer._tfdist_powersgd_errors = errors
         optimizer._tfdist_powersgd_qs = qs
-        self._state_of = getattr(self, "_state_of", {})
-        keys = [optimizer._var_key(v) for v in variables
+        keys = [collectives.variable_key(optimizer, v) for v in variables
                 if powersgd.compresses(tuple(v.shape), self.rank)]
-        self._state_of[id(optimizer)] = dict(zip(keys, zip(errors, qs)))
+        self._state_of[optimizer] = dict(zip(keys, zip(errors, qs)))
 
     def _state(self, optimizer: Any, variable: Any):
-        states = getattr(self, "_state_of", {}).get(id(optimizer))
+        states = self._state_of.get(optimizer)
         if states is None:
             raise ValueError(
                 "gradient_compression='powersgd' keeps its state in the optimizer, created "
                 "when Keras builds it; this optimizer was not built under the tfdist strategy "
                 "that compresses. Create and compile the model (or call "
                 "optimizer.build(model.trainable_variables)) under strategy.scope().")
-        return states.get(optimizer._var_key(variable))
+        return states.get(collectives.variable_key(optimizer, variable))
 
     # -- the exchange ----------------------------------------------------------------
 

@@ -100,6 +100,12 @@ def local_replica_id(strategy: Any) -> Any:
     return tf.distribute.get_replica_context()._replica_id
 
 
+def variable_key(optimizer: Any, variable: Any) -> str:
+    """The key Keras's optimizer uses for `variable` (the same for the Keras variable and
+    the tf.Variable the update step receives)."""
+    return optimizer._var_key(variable)
+
+
 # --- optimizer state ---------------------------------------------------------------
 
 
