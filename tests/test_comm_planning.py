@@ -67,3 +67,15 @@ def test_recommend():
     rows = planning.candidates(shapes=MLP, num_replicas=2, link=slow, compute_seconds=0.02)
     assert [r.compression for r in rows] == ["none", "fp16", "bf16", "powersgd"]
     assert rows[1].wire_bytes * 2 == rows[0].wire_bytes
+
+
+def test_candidates_from_gradient_bytes_only():
+    slow = cost.Link(bandwidth=0.2e9, latency=1e-3)
+    rows = planning.candidates(gradient_bytes=9_000_000, num_replicas=2, link=slow,
+                               compute_seconds=0.02)
+    assert [r.compression for r in rows] == ["none", "fp16", "bf16"]
+    assert rows[0].wire_bytes == 9_000_000 and rows[1].wire_bytes == 4_500_000
+    assert planning.recommend(gradient_bytes=9_000_000, num_replicas=2, link=slow,
+                              compute_seconds=0.02)[0] in ("fp16", "bf16")
+    with pytest.raises(ValueError, match="Pass shapes"):
+        planning.candidates(num_replicas=2, link=slow, compute_seconds=0.02)

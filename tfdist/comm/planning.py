@@ -9,7 +9,8 @@ The cost of a method is the alpha-beta time of its all-reduces
 (`tfdist.cost.compressed_allreduce_time`) plus a compute overhead: PowerSGD
 multiplies each compressed n x m gradient by Q and P (4 n m r FLOPs) and
 orthogonalises P. The planner's data-driven candidates call `candidates()`
-(one row per method: bytes per step, seconds per step, why).
+(one row per method: bytes per step, seconds per step); with only the gradient
+bytes (`ModelStats.gradient_bytes`) it costs none, fp16 and bf16.
 """
 
 from __future__ import annotations
@@ -45,12 +46,26 @@ class CompressionCost:
     step_seconds: float
 
 
-def candidates(*, shapes: Sequence[Sequence[int]], num_replicas: int, link: cost.Link,
-               compute_seconds: float, flops_per_second: float = 100e9,
+def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: int,
+               link: cost.Link, compute_seconds: float, gradient_bytes: int | None = None,
+               flops_per_second: float = 100e9,
                rank: int = config_lib.DEFAULT_POWERSGD_RANK) -> list[CompressionCost]:
-    """The cost of every method (no overlap of compute and communication assumed)."""
+    """The cost of every method (no overlap of compute and communication assumed).
+
+    Args:
+      shapes: the trainable variables' shapes (needed for powersgd).
+      gradient_bytes: float32 gradient bytes, when the shapes are not known
+        (`ModelStats.gradient_bytes`): none, fp16 and bf16 are costed, not powersgd.
+    """
+    if shapes is None:
+        if gradient_bytes is None:
+            raise ValueError("Pass shapes=[...] (the trainable variables' shapes) or "
+                             "gradient_bytes=K. Received neither.")
+        shapes = [(max(1, int(gradient_bytes) // 4),)]  # one vector: never factorised
+    methods = [m for m in config_lib.GRADIENT_COMPRESSIONS
+               if m != "powersgd" or any(powersgd.compresses(s, rank) for s in shapes)]
     rows = []
-    for method in config_lib.GRADIENT_COMPRESSIONS:
+    for method in methods:
         wire = cost.compressed_gradient_bytes(shapes, compression=method, rank=rank)
         comm = cost.compressed_allreduce_time(shapes, num_replicas, link, compression=method,
                                               rank=rank)
@@ -63,13 +78,14 @@ def candidates(*, shapes: Sequence[Sequence[int]], num_replicas: int, link: cost
     return rows
 
 
-def recommend(*, shapes: Sequence[Sequence[int]], num_replicas: int, link: cost.Link,
-              compute_seconds: float, flops_per_second: float = 100e9,
+def recommend(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: int,
+              link: cost.Link, compute_seconds: float, gradient_bytes: int | None = None,
+              flops_per_second: float = 100e9,
               rank: int = config_lib.DEFAULT_POWERSGD_RANK) -> tuple[str, str]:
     """(compression, reason): the fastest method, or "none" when communication is small."""
     rows = candidates(shapes=shapes, num_replicas=num_replicas, link=link,
-                      compute_seconds=compute_seconds, flops_per_second=flops_per_second,
-                      rank=rank)
+                      compute_seconds=compute_seconds, gradient_bytes=gradient_bytes,
+                      flops_per_second=flops_per_second, rank=rank)
     plain = rows[0]
     if num_replicas < 2:
         return "none", "one replica: nothing crosses the wire"
