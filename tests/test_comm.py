@@ -129,6 +129,7 @@ def test_compression_matches_numpy_reference_on_mirrored():
     assert report["zeroed_error_diff"] > 1e-4, report
     # A custom loop (strategy.run + optimizer.apply_gradients) trains, replicas identical.
     assert report["custom_loop"]["last"] < 0.5 * report["custom_loop"]["first"], report
+    assert report["one_replica"][-1] < report["one_replica"][0], report
 
 
 @pytest.mark.parametrize("preset_options,step_options", [

@@ -81,8 +81,10 @@ def all_reduce_sum(strategy: Any, tensors: Sequence[Any], *, bytes_per_pack: int
     tensors = list(tensors)
     if not tensors:
         return []
+    if strategy.num_replicas_in_sync == 1:
+        return [tf.identity(t) for t in tensors]  # the sum over one replica
     context = tf.distribute.get_replica_context()
-    if tf.executing_eagerly() or strategy.num_replicas_in_sync == 1:
+    if tf.executing_eagerly():
         return list(context.all_reduce(tf.distribute.ReduceOp.SUM, tensors))
     ops = collective_ops(strategy)
     if ops is None:
