@@ -210,7 +210,8 @@ def _throughput(quick):
         _paired_ratio(ours, theirs), "x", WRAPPER_TARGET,
         f"median of per-round ratios (range {_ratio_range(ours, theirs)}); medians "
         f"{ours.median:,.0f} vs {theirs.median:,.0f} "
-        f"samples/s; MLP 784-512-512-10, Adam, global batch {GLOBAL_BATCH}")]
+        f"samples/s; MLP 784-512-512-10, Adam, global batch {GLOBAL_BATCH}; both on "
+        f"/cpu:0 and /cpu:1 (logical CPUs), TensorFlow's default threads")]
     rows.append(_row("plain model.fit (no strategy)", plain.median, "samples/s", None,
                      f"MLP 784-512-512-10, Adam, batch {GLOBAL_BATCH}; absolute: this machine"))
     for n in (1, 2, 4):
