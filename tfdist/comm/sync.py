@@ -199,8 +199,19 @@ class CommSync(optimizer_update.GradientSync):
         return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
 
     def _all_reduce(self, tensors: list) -> list:
-        return collectives.all_reduce_sum(self.strategy, tensors,
-                                          bytes_per_pack=self.bytes_per_pack)
+        """One collective per dtype among `tensors` (a pack is concatenated)."""
+        dtypes = list(dict.fromkeys(t.dtype for t in tensors))
+        if len(dtypes) <= 1:
+            return collectives.all_reduce_sum(self.strategy, tensors,
+                                              bytes_per_pack=self.bytes_per_pack)
+        out: list = [None] * len(tensors)
+        for dtype in dtypes:
+            indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            summed = collectives.all_reduce_sum(self.strategy, [tensors[i] for i in indices],
+                                                bytes_per_pack=self.bytes_per_pack)
+            for i, t in zip(indices, summed):
+                out[i] = t
+        return out
 
     def _powersgd(self, optimizer, grads: list, variables: list) -> list:
         tf = import_tensorflow()
