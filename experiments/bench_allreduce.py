@@ -162,11 +162,15 @@ def _worker(config: dict, out: str) -> None:
     step().numpy()
     step().numpy()
     times = []
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
     for _ in range(config["repeats"]):
         start = time.perf_counter()
         step().numpy()
         times.append(time.perf_counter() - start)
-    result = {"seconds": statistics.median(times)}
+    # CPU seconds of all this process's threads per wall second: near 1 (or more) means
+    # copying/serialising bounds the transfer; well below 1 means the process waits.
+    cpu_per_wall = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
+    result = {"seconds": statistics.median(times), "cpu_per_wall": cpu_per_wall}
     task = strategy.cluster_resolver.task_id
     if config.get("trace"):
         # Every worker runs the all-reduce; worker 0 records it (one trace file per host name).
@@ -231,7 +235,8 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
              f"{proto['decode'] * 1e3:.0f} ms; memcpy of 64 MB {proto['memcpy'] * 1e3:.1f} ms"),
         _row("allreduce64: TF ring all-reduce, one 64 MB tensor", bus_one / 1e9, "GB/s",
              f"bus bandwidth K/t, 2 workers x 1 intra-op thread: {bus_one / tcp:.2f} of raw TCP;"
-             f" {one['seconds'] * 1e3:.0f} ms"),
+             f" {one['seconds'] * 1e3:.0f} ms; worker 0 used {one['cpu_per_wall']:.2f} CPU "
+             "seconds per second (all threads) while it ran"),
     ]
     def size(nbytes):
         return f"{nbytes // MB} MB" if nbytes >= MB else f"{nbytes // 1024} KB"
@@ -242,7 +247,7 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
             f"allreduce64: TF ring all-reduce, {SIZE // pack} x {size(pack)} tensors",
             bus / 1e9, "GB/s", f"bytes_per_pack {size(pack)} (one collective per pack): "
             f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.1f}x the single tensor; "
-            f"{result['seconds'] * 1e3:.0f} ms"))
+            f"{result['seconds'] * 1e3:.0f} ms; {result['cpu_per_wall']:.2f} CPU s/s"))
     for bucket, result in buckets.items():
         bus = SIZE / result["seconds"]
         rows.append(_row(
