@@ -15,7 +15,11 @@ Layer by layer, each measured in the same run on the same machine:
    as one tensor, and as 4 x 16 MB ... 256 x 256 KB tensors in packs of their
    size (bytes_per_pack: one collective each); and tfdist's `bucket_bytes`
    (4 MB, 1 MB), which cuts one 64 MB gradient into such pieces;
-5. a TensorFlow profiler trace of one 64 MB all-reduce on worker 0: host
+5. gRPC transport settings on the single tensor: the RecvBuf response's
+   string size (`ConfigProto.experimental.recv_buf_max_chunk`, default 4 KB)
+   and HTTP/2 channel arguments (TF_GRPC_DEFAULT_OPTIONS); every TF row also
+   reports worker 0's CPU seconds per wall second (copying-bound or waiting);
+6. a TensorFlow profiler trace of one 64 MB all-reduce on worker 0: host
    events aggregated by name (written to --trace_dir for TensorBoard), so the
    report names the events that take the time.
 
@@ -54,6 +58,13 @@ SIZE = 64 * MB
 PACK = 4 * MB
 PACKS = (16 * MB, 4 * MB, 1 * MB, MB // 4)
 BUCKETS = (4 * MB, 1 * MB)
+# gRPC transport settings tried on the single 64 MB tensor.
+TRANSPORT = {
+    "recv_buf_max_chunk 1 MB": {"recv_buf_max_chunk": MB},
+    "recv_buf_max_chunk -1 (one string)": {"recv_buf_max_chunk": -1},
+    "HTTP/2 lookahead 64 MB": {"grpc_options": "grpc.http2.lookahead_bytes=67108864"},
+    "HTTP/2 BDP probe off": {"grpc_options": "grpc.http2.bdp_probe=0"},
+}
 
 
 # --- layers measured without TensorFlow's collectives ----------------------------------
@@ -128,6 +139,10 @@ def _worker(config: dict, out: str) -> None:
 
     tfdist.configure_threads(intra_op=1)
     tf = import_tensorflow()
+    if config.get("recv_buf_max_chunk"):
+        from tfdist.compat import grpc_transport
+
+        grpc_transport.set_recv_buf_max_chunk(config["recv_buf_max_chunk"])
     pieces = config["pieces"]
     elements = SIZE // 4 // pieces
     if config.get("bucket_bytes"):
@@ -195,6 +210,9 @@ def _launch(config: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if config.get("grpc_options"):
+            # Channel arguments TensorFlow's gRPC channels read at start-up.
+            env["TF_GRPC_DEFAULT_OPTIONS"] = config["grpc_options"]
         log = io.StringIO()
         result = launch_lib.launch(
             [sys.executable, "-m", "experiments.bench_allreduce", f"--role={json.dumps(config)}",
@@ -224,6 +242,8 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
               for pack in PACKS}
     buckets = {size: _launch({"pieces": 1, "repeats": repeats, "bucket_bytes": size})
                for size in BUCKETS}
+    transport = {name: _launch({"pack": 0, "pieces": 1, "repeats": repeats, **settings})
+                 for name, settings in TRANSPORT.items()}
     bus_one = SIZE / one["seconds"]
     load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     rows = [
@@ -255,6 +275,12 @@ def run(quick: bool, trace_dir: str | None = None) -> list[dict]:
             "GB/s", f"CommSync cuts the tensor into {size(bucket)} pieces, one collective each: "
             f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.1f}x TensorFlow's single collective; "
             f"{result['seconds'] * 1e3:.0f} ms"))
+    for name, result in transport.items():
+        bus = SIZE / result["seconds"]
+        rows.append(_row(
+            f"allreduce64: TF ring all-reduce, one 64 MB tensor, {name}", bus / 1e9, "GB/s",
+            f"{bus / tcp:.2f} of raw TCP, {bus / bus_one:.2f}x the default settings; "
+            f"{result['seconds'] * 1e3:.0f} ms; {result['cpu_per_wall']:.2f} CPU s/s"))
     events = "; ".join(f"{name} {ms:.0f} ms x{count}" for name, ms, count in one["events"])
     rows.append(_row("allreduce64: profiled host events (worker 0, one all-reduce)",
                      len(one["events"]), "events", f"longest first: {events}; trace in {keep}"))
