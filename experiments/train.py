@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import tempfile
 import time
 
 from absl import app, flags
@@ -26,6 +28,53 @@ flags.DEFINE_enum("dataset", "digits", list(DATASETS),
                   "digits (ships with scikit-learn), synthetic, or mnist (needs network once).")
 flags.FLAGS.set_default("logical_devices", 2)
 FLAGS = flags.FLAGS
+
+# Each logical device is one more replica that TensorFlow builds and runs in
+# turn on the same cores: 16 already take minutes to start on 2 cores.
+MAX_LOGICAL_DEVICES = 64
+
+
+def _check_writable_dir(flag: str, value: str, path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        what = "" if value == path else "'s folder"
+        raise ValueError(
+            f"--{flag}{what} must be a directory this process can write to; {path!r} is not "
+            f"({e.strerror or e}). Received: --{flag}={value}. Pick a writable place, e.g. "
+            f"under /tmp.") from None
+
+
+def check_inputs(*, learning_rate: float, logical_devices: int | None, model_dir: str | None,
+                 metrics_out: str | None) -> None:
+    """Rejects flag values that would train nothing, hang or fail late.
+
+    Raises:
+      ValueError: what was received, what is expected, the fix.
+    """
+    if not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise ValueError(
+            f"--learning_rate must be a finite number > 0. Received: "
+            f"--learning_rate={learning_rate!r}. Use e.g. --learning_rate=1e-3.")
+    if logical_devices is not None and logical_devices > MAX_LOGICAL_DEVICES:
+        raise ValueError(
+            f"--logical_devices must be at most {MAX_LOGICAL_DEVICES}: each one is a replica "
+            f"TensorFlow builds and runs on the same {os.cpu_count()} cores (16 already take "
+            f"minutes to start on 2 cores). Received: --logical_devices={logical_devices}. "
+            f"Use a few per core, e.g. --logical_devices=4.")
+    if model_dir:
+        from tfdist.chief import chief_path
+
+        _check_writable_dir("model_dir", model_dir, chief_path(model_dir))
+    if metrics_out:
+        if os.path.isdir(metrics_out):
+            raise ValueError(f"--metrics_out names a file to write; {metrics_out!r} is a "
+                             f"directory. Received: --metrics_out={metrics_out}. Give a file "
+                             f"name, e.g. {os.path.join(metrics_out, 'metrics.json')}.")
+        _check_writable_dir("metrics_out", metrics_out,
+                            os.path.dirname(os.path.abspath(metrics_out)))
 
 
 def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_size: int,
@@ -45,6 +94,11 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
     tf = import_tensorflow()
     start = time.perf_counter()
     data = load_dataset(dataset_name, seed=seed)
+    if global_batch_size > len(data.x_train):
+        raise ValueError(
+            f"global_batch_size must be at most the training set's size ({len(data.x_train)} "
+            f"examples of {dataset_name}): a bigger batch repeats examples within one step. "
+            f"Received: global_batch_size={global_batch_size}. Use e.g. --global_batch_size=64.")
     strategy = tfdist.make_strategy(strategy_options)
     step_options = step_options or tfdist.StepOptions()
     step_lib.check(step_options, strategy)
@@ -118,6 +172,8 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     tfdist_flags.apply_verbosity()
     try:
+        check_inputs(learning_rate=FLAGS.learning_rate, logical_devices=FLAGS.logical_devices,
+                     model_dir=FLAGS.model_dir, metrics_out=FLAGS.metrics_out)
         if FLAGS.strategy != "multi_worker_mirrored":
             # MWMS must start the runtime itself (one device per worker on CPUs).
             tfdist_flags.apply_device_flags()

@@ -34,6 +34,22 @@ def initial_weights(model):
     return [(0.3 * rng.standard_normal(w.shape)).astype("float32") for w in model.get_weights()]
 
 
+def initial_flat():
+    """The initial weights `train` starts from, as one flat vector."""
+    import numpy as np
+
+    model = _model()
+    return np.concatenate([w.ravel() for w in initial_weights(model)])
+
+
+def _model():
+    import keras
+
+    return keras.Sequential([keras.Input((FEATURES,)),
+                             keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(1)])
+
+
 def dataset(x, y):
     import tensorflow as tf
 
@@ -50,9 +66,7 @@ def train(strategy, inputs: str, *, callbacks=(), backup=None):
 
     x, y = data()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((FEATURES,)),
-                                  keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
+        model = _model()
         model.set_weights(initial_weights(model))
         model.compile(keras.optimizers.SGD(0.05, momentum=0.5), "mse")
     callbacks = list(callbacks)
@@ -71,6 +85,33 @@ def train(strategy, inputs: str, *, callbacks=(), backup=None):
     return np.concatenate([w.ravel() for w in model.get_weights()])
 
 
+def _kill_during_save(epoch: int) -> None:
+    """Makes this process SIGKILL itself with half of epoch `epoch`'s backup written."""
+    import io
+
+    from tfdist import checkpoint
+
+    original = checkpoint._atomic_write_bytes
+    target = f"backup-epoch{epoch:06d}.npz"
+
+    def write_half_then_die(path, write):
+        if not path.endswith(target):
+            return original(path, write)
+
+        def half(f):
+            buffer = io.BytesIO()
+            write(buffer)
+            f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            print(f"killing myself while saving {target}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return original(path, half)
+
+    checkpoint._atomic_write_bytes = write_half_then_die
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -78,6 +119,9 @@ def main():
     parser.add_argument("--backup", default=None)
     parser.add_argument("--kill_at_step", type=int, default=0,
                         help="worker:1 SIGKILLs itself after this global step (1st attempt)")
+    parser.add_argument("--kill_chief_in_save", type=int, default=0,
+                        help="worker:0 SIGKILLs itself half-way through writing the backup "
+                             "of this epoch (2nd attempt)")
     parser.add_argument("--hang_task", default=None, help="this task sleeps instead of joining")
     parser.add_argument("--join_timeout", type=float, default=60)
     args = parser.parse_args()
@@ -108,6 +152,8 @@ def main():
                         os.kill(os.getpid(), signal.SIGKILL)
 
             callbacks.append(KillSelf())
+        if args.kill_chief_in_save and task == "worker:0" and attempt == 2:
+            _kill_during_save(args.kill_chief_in_save)
         backup = (tfdist.BackupAndRestore(args.backup) if args.backup else None)
         if backup is not None:
             print(f"resuming at epoch {backup.initial_epoch}", flush=True)

@@ -69,13 +69,74 @@ def test_missing_target_is_a_compat_error():
         _patch.install(fix)
 
 
-def test_two_fixes_may_not_replace_one_attribute():
-    _patch.install(_fix(name="test.first"))
+def _tagging_fix(name, tag):
+    """A fix that appends `tag` to the result for x == "ours" (passes through otherwise)."""
+    def make(original):
+        return _patch.passthrough(original, lambda self, x, y: x == "ours")(
+            lambda self, x, y: original(self, x, y) + (tag,))
+
+    return _fix(name=name, make=make)
+
+
+def test_two_fixes_of_one_attribute_stack_and_come_apart_in_any_order():
+    original = _Target.__dict__["method"]
+    first, second = _tagging_fix("test.first", "a"), _tagging_fix("test.second", "b")
+    _patch.install(first)
+    _patch.install(second)
     try:
-        with pytest.raises(_patch.CompatError, match="already replaced by fix 'test.first'"):
-            _patch.install(_fix(name="test.second"))
+        assert _Target().method("ours", 1) == ("original", "ours", 1, "a", "b")
+        assert _Target().method("theirs", 1) == ("original", "theirs", 1)
+        # Removing the lower fix rebuilds the upper one on the original.
+        assert _patch.uninstall(["test.first"]) == ("test.first",)
+        assert _patch.installed()[-1] == "test.second"
+        assert _Target().method("ours", 1) == ("original", "ours", 1, "b")
+        assert _patch.uninstall(["test.second"]) == ("test.second",)
+        assert _Target.__dict__["method"] is original
+        _patch.install(first)
+        _patch.install(second)
     finally:
-        _patch.uninstall(["test.first"])
+        _patch.uninstall(["test.first", "test.second"])
+    assert _Target.__dict__["method"] is original
+    assert "test.first" not in _patch.installed() and "test.second" not in _patch.installed()
+
+
+def test_uninstall_after_undoes_only_what_the_block_installed():
+    original = _Target.__dict__["method"]
+    _patch.install(_tagging_fix("test.outer", "a"))
+    try:
+        with _patch.uninstall_after():
+            _patch.install(_tagging_fix("test.inner", "b"))
+            assert _Target().method("ours", 1)[-2:] == ("a", "b")
+        assert "test.inner" not in _patch.installed()
+        assert _Target().method("ours", 1) == ("original", "ours", 1, "a")
+    finally:
+        _patch.uninstall(["test.outer"])
+    assert _Target.__dict__["method"] is original
+
+
+def test_install_all_installs_nothing_when_one_shape_differs():
+    class Other:
+        def method(self, x):
+            return x
+
+    good = _fix(name="test.good")
+    bad = _fix(name="test.bad", owner=Other)
+    with pytest.raises(_patch.CompatError):
+        _patch.install_all([good, bad])
+    assert "test.good" not in _patch.installed()
+    assert "method" in _Target.__dict__ and not hasattr(_Target.method, "__tfdist_fix__")
+
+
+def test_unsupported_versions_are_refused_before_anything_changes(monkeypatch):
+    from tfdist.compat import _versions
+
+    monkeypatch.setattr(_versions, "_checked", False)
+    monkeypatch.setattr(_versions, "versions",
+                        lambda: {"tensorflow": "2.15.1", "keras": "3.15.1"})
+    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
+    with pytest.raises(_versions.UnsupportedVersionError, match="found TensorFlow 2.15.1"):
+        _patch.install(_fix(name="test.versions"))
+    assert "test.versions" not in _patch.installed()
 
 
 def test_module_attributes_are_restored():

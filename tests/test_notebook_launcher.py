@@ -54,3 +54,30 @@ def test_functions_that_cannot_be_sent_are_rejected():
         tfdist.notebook_launcher(_report_task, args=(lambda: 1,))
     with pytest.raises(ValueError, match="num_workers must be an integer >= 1"):
         tfdist.notebook_launcher(_report_task, args=(1,), num_workers=0)
+
+
+def _import_planted():
+    try:
+        import tfdist_planted_module  # noqa: F401
+    except ModuleNotFoundError:
+        return "not imported"
+    return "imported"
+
+
+@pytest.mark.timeout(120)
+def test_folders_other_users_can_write_to_stay_off_the_tasks_path(tmp_path, monkeypatch):
+    """A module planted in a world-writable working folder (like /tmp) must not run in tasks."""
+    from tfdist.launch import notebook
+
+    folder = tmp_path / "notebook_dir"
+    folder.mkdir()
+    (folder / "tfdist_planted_module.py").write_text("PLANTED = True\n")
+    monkeypatch.chdir(folder)
+    # Negative control: the notebook's own private folder goes first on the tasks' path.
+    folder.chmod(0o755)
+    assert notebook.task_sys_path()[0] == str(folder)
+    folder.chmod(0o777)
+    with pytest.warns(UserWarning, match=rf"leaves {folder} off the tasks' sys.path: every "
+                                         rf"user can write to it"):
+        results = tfdist.notebook_launcher(_import_planted, num_workers=1, timeout=100)
+    assert results == {"worker:0": "not imported"}

@@ -51,7 +51,7 @@ def test_every_cpu_reduction_matches_single_device(single_device_run, cross_devi
 
 
 def test_strategies_can_be_made_again_with_other_device_counts(single_device_run):
-    # Without tfdist.compat.fresh_collective_key_base the second strategy
+    # Without tfdist.compat.collective_keys the second strategy
     # poisons the process ("joining a group with size4, but that group has size 2").
     for num_devices in (2, 4, 2):
         weights, _ = _train(tfdist.make_strategy("mirrored", num_devices=num_devices))

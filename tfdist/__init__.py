@@ -69,8 +69,8 @@ _EXPORTS = {
     "LaunchResult": "tfdist.launch",
     "BackupAndRestore": "tfdist.checkpoint",
     # notebooks
-    "notebook_launcher": "tfdist.notebook",
-    "NotebookLaunchError": "tfdist.notebook",
+    "notebook_launcher": "tfdist.launch.notebook",
+    "NotebookLaunchError": "tfdist.launch.notebook",
     # parameter-server training
     "ParameterServerOptions": "tfdist.config",
     "ParameterServerError": "tfdist.ps",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from tfdist._tf import import_tensorflow
 
@@ -166,16 +166,3 @@ def _short_device_name(device: str) -> str:
     if spec.device_type is None:
         return device
     return f"{spec.device_type.upper()}:{spec.device_index or 0}"
-
-
-def memory_in_use(devices: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
-    """Current and peak bytes per device that reports them; {} on CPU-only machines."""
-    names = devices or tuple(d.name for d in tf.config.list_logical_devices())
-    out = {}
-    for device in names:
-        name = _short_device_name(device)
-        try:
-            out[name] = tf.config.experimental.get_memory_info(name)
-        except (ValueError, tf.errors.OpError, RuntimeError):
-            continue
-    return out

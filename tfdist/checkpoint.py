@@ -1,26 +1,33 @@
 """Multi-worker-safe backup and exact resume for Keras 3 `model.fit`.
 
-Keras 3's `keras.callbacks.BackupAndRestore` is not multi-worker aware (every
-worker writes the same `latest.weights.h5`: FileExistsError / HDF5 lock
-errors) and restores the epoch but not the position in the data, so a
-resumed run differs from an uninterrupted one. This callback:
+Keras 3's `keras.callbacks.BackupAndRestore` restores the epoch but not the
+position in the data, so a resumed run differs from an uninterrupted one
+(under tfdist's multi_worker_mirrored preset it at least writes once, from
+the chief: tfdist.compat.keras_files). This callback:
 
-- saves at the end of every epoch (or every `save_every_epochs`) the model's
-  variables, the optimizer's variables (its step counter and slots) and the
-  position: completed epochs, and steps per epoch;
-- writes on the chief only, atomically (a temporary file, then `os.replace`,
-  then a small JSON pointer written the same way), so a kill at any moment
-  leaves the previous complete backup;
+- saves at the end of every epoch (or every `save_every_epochs`) every
+  variable reachable from the model and its optimizer, **keyed by its path
+  in the object graph** (`model/encoder/dense/_kernel`; an optimizer slot by
+  the path of the variable it belongs to:
+  `optimizer/slots/model/encoder/dense/_kernel/momentum`), and the position:
+  completed epochs and steps per epoch. Reordered variables of equal shape
+  restore to the right place; a backup of another model is refused;
+- reads the values on every worker (reading a sync-on-read variable is an
+  all-reduce, so all workers must take part) and writes on the chief only,
+  atomically (a temporary file, fsync, `os.replace`, then a small JSON
+  pointer written the same way), so a kill at any moment leaves the previous
+  complete backup;
 - restores the same backup on every worker when training starts (all tasks
-  read the chief's files; on one machine or a shared file system);
+  read the chief's files: one machine or a shared file system), after
+  checking every file it reads: a damaged, missing or foreign backup is a
+  `BackupError` naming the file and what to do, never a silent restart from
+  epoch 0 or a silent restore of wrong values (NaN/Inf included);
 - restores the data position: with `backup.dataset(ds)` the input pipeline
-  skips the batches already trained on. This is exact when the dataset is
-  deterministic (fixed shuffle seed, `.repeat()` before `.batch()`) and `fit`
-  gets `steps_per_epoch`: batch k of the resumed run is batch k of the
-  uninterrupted one.
-
-Reading and writing variable values needs no collective, so the chief can
-save alone while the other workers go on (nothing blocks if a worker dies).
+  skips the batches already trained on. This is exact when every fresh
+  iterator of the dataset yields the same sequence (`repeat_shuffled`, or a
+  seeded shuffle with `reshuffle_each_iteration=False`) and `fit` gets
+  `steps_per_epoch`; `dataset()` warns once when the pipeline cannot resume
+  exactly, naming why.
 
     backup = tfdist.BackupAndRestore("/shared/backup")
     train = backup.dataset(make_dataset())        # skips what was trained
@@ -32,10 +39,15 @@ group and training continues from the last epoch that finished.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
-import shutil
+import re
+import stat
 import tempfile
+import warnings
+import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -43,12 +55,27 @@ import numpy as np
 from tfdist import chief as chief_lib
 
 _STATE = "tfdist_backup.json"
-_FORMAT = 1
+_FORMAT = 2
+_FILE = re.compile(r"backup-epoch(\d{6})\.npz")
+_TMP = ".tmp-"
+_MANIFEST = "manifest"
+_MAX_POINTER_BYTES = 1 << 16
+_SLOTS = "slots"
+
+
+class BackupError(ValueError):
+    """A backup that cannot be resumed from. The message names the file and what to do."""
+
+
+def _damaged(path: str, problem: str, backup_dir: str) -> BackupError:
+    return BackupError(
+        f"tfdist.BackupAndRestore cannot resume from {path}: {problem}. Restore the backup "
+        f"from a copy, or delete {backup_dir} to start training from scratch.")
 
 
 def _atomic_write_bytes(path: str, write) -> None:
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -61,18 +88,98 @@ def _atomic_write_bytes(path: str, write) -> None:
         raise
 
 
+def _regular_file(path: str, backup_dir: str) -> None:
+    """Raises unless `path` is a regular file (a FIFO would block the reader forever)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise _damaged(path, "the file is missing", backup_dir) from None
+    except OSError as e:
+        raise _damaged(path, f"cannot read it ({e.strerror or e})", backup_dir) from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else "a directory"
+                if stat.S_ISDIR(info.st_mode) else "not a regular file")
+        raise _damaged(path, f"it is {kind}, not a file tfdist wrote", backup_dir)
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_position(data: Any, path: str, backup_dir: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise _damaged(path, f"expected a JSON object, found {type(data).__name__}",
+                       backup_dir)
+    if data.get("format") == 1:
+        raise BackupError(
+            f"tfdist.BackupAndRestore cannot resume from {path}: it was written by an older "
+            f"tfdist that saved variables by position, which cannot be matched safely. "
+            f"Delete {backup_dir} to start training from scratch.")
+    if data.get("format") != _FORMAT:
+        raise _damaged(path, f"format is {data.get('format')!r}; this tfdist reads format "
+                       f"{_FORMAT}", backup_dir)
+    for key, minimum in (("epoch", 1), ("steps_per_epoch", 1)):
+        if not _is_int(data.get(key), minimum):
+            raise _damaged(path, f"{key!r} must be an integer >= {minimum}, found "
+                           f"{data.get(key)!r}", backup_dir)
+    return data
+
+
 def read_state(backup_dir: str) -> dict[str, Any] | None:
-    """The last complete backup's position ({} keys: epoch, steps_per_epoch, file), or None."""
-    path = os.path.join(backup_dir, _STATE)
-    if not os.path.exists(path):
+    """The last complete backup's position (keys: epoch, steps_per_epoch, file), or None.
+
+    None means there is no backup: the folder does not exist or holds no
+    tfdist backup file. A folder with backup files but no readable, valid
+    pointer is an error, so training never restarts from epoch 0 silently.
+
+    Raises:
+      BackupError: the backup is damaged (the message names the file).
+    """
+    backup_dir = os.fspath(backup_dir)
+    if not os.path.lexists(backup_dir):
         return None
-    with open(path) as f:
-        state = json.load(f)
-    if state.get("format") != _FORMAT:
-        raise ValueError(
-            f"{path} was written by another tfdist backup format ({state.get('format')!r}; "
-            f"this tfdist reads {_FORMAT}). Delete the backup directory to start over.")
+    if not os.path.isdir(backup_dir):
+        raise BackupError(
+            f"tfdist.BackupAndRestore: backup_dir {backup_dir} is not a directory. Pass a "
+            f"directory path (it is created on the first backup).")
+    try:
+        names = sorted(os.listdir(backup_dir))
+    except OSError as e:
+        raise BackupError(f"tfdist.BackupAndRestore cannot list {backup_dir} "
+                          f"({e.strerror or e}). Give this task read access to it.") from None
+    path = os.path.join(backup_dir, _STATE)
+    if not os.path.lexists(path):
+        files = [n for n in names if _FILE.fullmatch(n)]
+        if files:
+            raise _damaged(path, f"the pointer file is missing but the folder holds "
+                           f"{files[-1]}; tfdist will not silently start over from epoch 0",
+                           backup_dir)
+        return None
+    _regular_file(path, backup_dir)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_POINTER_BYTES + 1)
+    except OSError as e:
+        raise _damaged(path, f"cannot read it ({e.strerror or e})", backup_dir) from None
+    if len(raw) > _MAX_POINTER_BYTES:
+        raise _damaged(path, f"it is larger than {_MAX_POINTER_BYTES} bytes: not a pointer "
+                       f"tfdist wrote", backup_dir)
+    try:
+        state = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        problem = "it is empty" if not raw.strip() else f"it is not valid JSON ({e})"
+        raise _damaged(path, problem, backup_dir) from None
+    state = _check_position(state, path, backup_dir)
+    expected = f"backup-epoch{state['epoch']:06d}.npz"
+    if state.get("file") != expected:
+        raise _damaged(path, f"'file' must be {expected!r} (a file inside the folder), found "
+                       f"{state.get('file')!r}", backup_dir)
+    _regular_file(os.path.join(backup_dir, expected), backup_dir)
     return state
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def repeat_shuffled(dataset, *, buffer_size: int, seed: int):
@@ -95,6 +202,109 @@ def repeat_shuffled(dataset, *, buffer_size: int, seed: int):
                                       reshuffle_each_iteration=False))
 
 
+# --- what is saved ----------------------------------------------------------------
+
+
+def tracked_variables(model) -> "collections.OrderedDict[str, Any]":
+    """Every variable reachable from `model` and its optimizer, keyed by object path.
+
+    The walk follows the TensorFlow object graph (`tf.train.TrackableView`,
+    the names `tf.train.Checkpoint` uses: attribute names, list indices,
+    dict keys), breadth first with sorted names (public ones first), so a key
+    does not depend on the order variables were created in. Keras optimizer slots are keyed by
+    the variable they belong to (Keras names a slot `<variable path with
+    '_'>_<slot>`), not by their position in the optimizer. Metrics are
+    skipped: Keras resets them every epoch.
+
+    Any other state kept in variables that the model, a layer or the
+    optimizer holds as an attribute (directly or in a list/dict attribute) is
+    included, e.g. error-feedback residuals kept on the optimizer.
+    """
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    import keras
+
+    roots = [("model", model)]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        roots.append(("optimizer", optimizer))
+    found: dict[int, tuple[str, Any]] = {}
+    seen: set[int] = set()
+    # One root at a time, the model first (without its optimizer): the optimizer
+    # also lists the model's variables (`_trainable_variables/0`), which must keep
+    # their model path.
+    for root in roots:
+        queue = collections.deque([root])
+        while queue:
+            path, obj = queue.popleft()
+            if id(obj) in seen:
+                continue
+            if obj is optimizer and path != "optimizer":
+                continue  # walked as its own root
+            seen.add(id(obj))
+            if isinstance(obj, (keras.Variable, tf.Variable)):
+                found[id(obj)] = (path, obj)
+                continue
+            if isinstance(obj, keras.metrics.Metric):
+                continue
+            try:
+                children = tf.train.TrackableView(obj).children(obj)
+            except (TypeError, AttributeError, ValueError):
+                continue
+            # Public attribute names first: a variable Keras also lists in a private,
+            # positional collection (`_variables/3`) is keyed by the name it was given.
+            for name in sorted(children, key=lambda n: (n.startswith("_"), n)):
+                queue.append((f"{path}/{name}", children[name]))
+
+    # Keras's own lists are the reference for what a model holds: what the graph
+    # does not reach (a SeedGenerator's state) is keyed by its Keras path.
+    for root, owner in (("model", model), ("optimizer", optimizer)):
+        for variable in (getattr(owner, "variables", None) or ()) if owner is not None else ():
+            if id(variable) not in found:
+                found[id(variable)] = (f"{root}/keras_path/{variable.path}", variable)
+
+    model_paths = {}
+    for path, variable in found.values():
+        if path.startswith("model/") and isinstance(variable, keras.Variable):
+            model_paths[variable.path.replace("/", "_") + "_"] = path
+    out: "collections.OrderedDict[str, Any]" = collections.OrderedDict()
+    for path, variable in found.values():
+        key = path
+        if path.startswith("optimizer/") and isinstance(variable, keras.Variable):
+            key = _slot_key(variable.name, model_paths) or path
+        if key in out:  # two slots mapped to one key: keep both by graph path
+            key = path
+        out[key] = variable
+    return out
+
+
+def _slot_key(name: str, model_paths: dict[str, str]) -> str | None:
+    matches = [prefix for prefix in model_paths
+               if name.startswith(prefix) and len(name) > len(prefix)]
+    if not matches:
+        return None
+    longest = max(len(m) for m in matches)
+    best = [m for m in matches if len(m) == longest]
+    if len(best) != 1:
+        return None  # ambiguous names: the graph path is the safer key
+    return f"optimizer/{_SLOTS}/{model_paths[best[0]]}/{name[longest:]}"
+
+
+def _value(variable) -> np.ndarray:
+    return np.asarray(variable.numpy())
+
+
+def _non_finite(value: np.ndarray) -> bool:
+    return value.dtype.kind in "fc" and not bool(np.isfinite(value).all())
+
+
+# --- the callback ----------------------------------------------------------------
+
+
+_warned: set[str] = set()
+
+
 def _make_callback_base():
     from tfdist._tf import import_tensorflow
 
@@ -110,6 +320,7 @@ class BackupAndRestore(_make_callback_base()):
     Args:
       backup_dir: directory for the backup (created on the chief). Every task
         must see the same directory (one machine, or a shared file system).
+        Use it for nothing else: the callback deletes its own files in it.
       save_every_epochs: back up after every N-th epoch (and the last).
       delete_on_finish: remove the backup when `fit` completes, like Keras's
         BackupAndRestore (so the next run starts fresh).
@@ -117,6 +328,9 @@ class BackupAndRestore(_make_callback_base()):
     Attributes:
       initial_epoch: epochs completed by the backup found at construction.
       initial_step: batches already trained (`initial_epoch * steps_per_epoch`).
+
+    Raises:
+      BackupError: at construction, when `backup_dir` holds a damaged backup.
     """
 
     def __init__(self, backup_dir: str, *, save_every_epochs: int = 1,
@@ -134,6 +348,7 @@ class BackupAndRestore(_make_callback_base()):
         self.delete_on_finish = delete_on_finish
         self._state = read_state(self.backup_dir)
         self._dataset_skipped: int | None = None
+        self._last_saved: int | None = None
         self._is_chief = chief_lib.is_chief()
 
     @property
@@ -150,8 +365,24 @@ class BackupAndRestore(_make_callback_base()):
         """`dataset` minus the batches the backup already trained on.
 
         Pass the batched (global-batch) `tf.data.Dataset` you give to `fit`;
-        make it deterministic (seeded shuffle, `.repeat()`) for exact resume.
+        make it deterministic (`repeat_shuffled`, or a seeded shuffle with
+        `reshuffle_each_iteration=False`) for exact resume. Warns once when
+        the pipeline cannot be resumed exactly, naming why.
         """
+        from tfdist.compat import keras_files_data
+
+        reasons = keras_files_data.inexact_resume_reasons(dataset)
+        message = "; ".join(reasons)
+        if reasons and message not in _warned:
+            _warned.add(message)
+            warnings.warn(
+                f"tfdist.BackupAndRestore: this dataset cannot be resumed exactly after a "
+                f"restart, because it has {message}. A resumed run will train on other "
+                f"batches than an uninterrupted one. Fix: build it with "
+                f"tfdist.checkpoint.repeat_shuffled(examples, buffer_size=N, seed=S) "
+                f"(reshuffled every pass, the same in every process) or "
+                f"shuffle(N, seed=S, reshuffle_each_iteration=False), and "
+                f"deterministic=True for parallel map/interleave.", UserWarning, stacklevel=2)
         self._dataset_skipped = self.initial_step
         return dataset.skip(self.initial_step) if self.initial_step else dataset
 
@@ -173,8 +404,9 @@ class BackupAndRestore(_make_callback_base()):
                 f"{self._state['steps_per_epoch']}; this fit uses {steps}. Use the same "
                 f"steps_per_epoch to resume, or delete the backup directory.")
         self._restore()
-        # The same private attribute keras.callbacks.BackupAndRestore sets.
-        self.model._initial_epoch = self.initial_epoch
+        from tfdist.compat import keras_files
+
+        keras_files.set_initial_epoch(self.model, self.initial_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
@@ -182,17 +414,39 @@ class BackupAndRestore(_make_callback_base()):
             self._save(done)
 
     def on_train_end(self, logs=None):
-        if self.delete_on_finish and self._is_chief and not self.model.stop_training:
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+        if self.delete_on_finish and not self.model.stop_training:
+            if self._is_chief:
+                self._remove_backup_files()
+                try:
+                    os.rmdir(self.backup_dir)
+                except OSError:
+                    pass  # not empty (the user's files) or already gone
+            from tfdist.compat import keras_files
+
+            strategy = self.model.distribute_strategy
+            if keras_files.is_multi_worker(strategy):
+                # Nobody reads the folder for the next fit before the chief emptied it.
+                keras_files.barrier(strategy)
 
     # -- save / restore ----------------------------------------------------------
 
     def _variables(self):
-        variables = list(self.model.variables)
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            variables += list(optimizer.variables)
-        return variables
+        return tracked_variables(self.model)
+
+    def _remove_backup_files(self, keep: tuple[str, ...] = ()) -> None:
+        """Removes this callback's files in the folder (the pointer too) except `keep`."""
+        try:
+            names = os.listdir(self.backup_dir)
+        except OSError:
+            return
+        for name in names:
+            if name in keep:
+                continue
+            if _FILE.fullmatch(name) or name.startswith(_TMP) or name == _STATE:
+                try:
+                    os.remove(os.path.join(self.backup_dir, name))
+                except OSError:
+                    pass
 
     def _save(self, epochs_done: int) -> None:
         steps = self.params.get("steps")
@@ -200,20 +454,46 @@ class BackupAndRestore(_make_callback_base()):
             raise ValueError(
                 "tfdist.BackupAndRestore needs fit(..., steps_per_epoch=N) to know the data "
                 "position. Received: steps_per_epoch=None.")
+        # Every worker reads every value in the same order: a read may be a collective.
+        values = [(key, _value(variable)) for key, variable in self._variables().items()]
         if not self._is_chief:
             return
-        os.makedirs(self.backup_dir, exist_ok=True)
-        values = {f"v{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(self._variables())}
+        bad = next((key for key, value in values if _non_finite(value)), None)
+        if bad is not None:
+            kept = (f"the backup of epoch {self._last_epoch()} is kept" if self._last_epoch()
+                    else "no backup is kept")
+            warnings.warn(
+                f"tfdist.BackupAndRestore: not backing up epoch {epochs_done}: variable {bad} "
+                f"holds NaN or Inf (training diverged); {kept}.", RuntimeWarning, stacklevel=2)
+            return
         name = f"backup-epoch{epochs_done:06d}.npz"
-        _atomic_write_bytes(os.path.join(self.backup_dir, name),
-                            lambda f: np.savez(f, **values))
+        manifest = {"format": _FORMAT, "epoch": epochs_done, "steps_per_epoch": int(steps),
+                    "keys": [key for key, _ in values]}
+        arrays = {f"v{i:05d}": value for i, (_, value) in enumerate(values)}
+        arrays[_MANIFEST] = np.array(json.dumps(manifest))
         state = {"format": _FORMAT, "epoch": epochs_done, "steps_per_epoch": int(steps),
-                 "file": name, "num_variables": len(values)}
-        _atomic_write_bytes(os.path.join(self.backup_dir, _STATE),
-                            lambda f: f.write(json.dumps(state).encode()))
-        for old in os.listdir(self.backup_dir):
-            if old.startswith("backup-epoch") and old != name:
-                os.remove(os.path.join(self.backup_dir, old))
+                 "file": name}
+        try:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            # Partial files of a killed save go; the complete backup stays until the
+            # pointer names the new one.
+            current = self._last_epoch()
+            self._remove_backup_files(
+                keep=(_STATE, f"backup-epoch{current:06d}.npz") if current else (_STATE,))
+            _atomic_write_bytes(os.path.join(self.backup_dir, name),
+                                lambda f: np.savez(f, **arrays))
+            _atomic_write_bytes(os.path.join(self.backup_dir, _STATE),
+                                lambda f: f.write(json.dumps(state).encode()))
+        except OSError as e:
+            raise BackupError(
+                f"tfdist.BackupAndRestore cannot write the backup of epoch {epochs_done} to "
+                f"{self.backup_dir} ({e.strerror or e}). Give the chief write access to it, "
+                f"free some space, or choose another backup_dir.") from None
+        self._remove_backup_files(keep=(_STATE, name))
+        self._last_saved = epochs_done
+
+    def _last_epoch(self) -> int:
+        return self._last_saved or self.initial_epoch
 
     def _restore(self) -> None:
         optimizer = getattr(self.model, "optimizer", None)
@@ -221,17 +501,76 @@ class BackupAndRestore(_make_callback_base()):
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         variables = self._variables()
-        with np.load(os.path.join(self.backup_dir, self._state["file"])) as data:
-            if len(data.files) != len(variables):
-                raise ValueError(
-                    f"The backup in {self.backup_dir} holds {len(data.files)} variables; this "
-                    f"model and optimizer have {len(variables)}. It was made by another "
-                    f"model: delete the backup directory to start over.")
-            for i, variable in enumerate(variables):
-                value = data[f"v{i:05d}"]
-                if tuple(value.shape) != tuple(variable.shape):
-                    raise ValueError(
-                        f"Variable {variable.path} has shape {tuple(variable.shape)} but the "
-                        f"backup holds {tuple(value.shape)}: the backup is from another "
-                        f"model. Delete {self.backup_dir} to start over.")
-                variable.assign(value)
+        path = os.path.join(self.backup_dir, self._state["file"])
+        values = self._read_values(path)
+        missing = [key for key in variables if key not in values]
+        extra = [key for key in values if key not in variables]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"it has no value for {_some(missing)}")
+            if extra:
+                parts.append(f"this model and optimizer have nothing at {_some(extra)}")
+            raise BackupError(
+                f"tfdist.BackupAndRestore cannot resume from {path}: it was made by another "
+                f"model or optimizer: {'; '.join(parts)}. Delete {self.backup_dir} to start "
+                f"training from scratch.")
+        for key, variable in variables.items():
+            value = values[key]
+            shape, dtype = tuple(variable.shape), _dtype_name(variable)
+            if tuple(value.shape) != shape:
+                raise BackupError(
+                    f"tfdist.BackupAndRestore cannot resume from {path}: {key} has shape "
+                    f"{tuple(value.shape)} in the backup and {shape} in this model: the "
+                    f"backup is from another model. Delete {self.backup_dir} to start over.")
+            if str(value.dtype) != dtype:
+                raise _damaged(path, f"{key} is {value.dtype} in the backup and {dtype} in "
+                               f"this model", self.backup_dir)
+            if _non_finite(value):
+                raise _damaged(path, f"{key} holds NaN or Inf", self.backup_dir)
+        for key, variable in variables.items():
+            variable.assign(values[key])
+
+    def _read_values(self, path: str) -> dict[str, np.ndarray]:
+        _regular_file(path, self.backup_dir)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                if not isinstance(data, np.lib.npyio.NpzFile):
+                    raise ValueError("not an .npz archive")
+                manifest = json.loads(str(data[_MANIFEST][()]), parse_constant=_reject_constant)
+                keys = manifest.get("keys") if isinstance(manifest, dict) else None
+                if (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
+                        or len(set(keys)) != len(keys)):
+                    raise ValueError("its manifest has no list of distinct variable keys")
+                for field in ("epoch", "steps_per_epoch"):
+                    if manifest.get(field) != self._state[field]:
+                        raise ValueError(
+                            f"it holds {field}={manifest.get(field)!r} but the pointer "
+                            f"{_STATE} says {self._state[field]!r}")
+                values = {key: data[f"v{i:05d}"] for i, key in enumerate(keys)}
+        except BackupError:
+            raise
+        except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile,
+                zlib.error) as e:
+            raise _damaged(path, f"it is damaged ({type(e).__name__}: {_one_line(e)})",
+                           self.backup_dir) from None
+        return values
+
+
+def _dtype_name(variable) -> str:
+    dtype = variable.dtype
+    return getattr(dtype, "name", None) or str(dtype)
+
+
+def _some(keys: list[str]) -> str:
+    more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+    return ", ".join(keys[:3]) + more
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+__all__ = ["BackupAndRestore", "BackupError", "read_state", "repeat_shuffled",
+           "tracked_variables"]

@@ -2,13 +2,21 @@
 
 Under MultiWorkerMirroredStrategy every worker runs the same script. If
 each one writes checkpoints, SavedModels and TensorBoard logs to the same
-path they collide (Keras's BackupAndRestore fails with FileExistsError or an
-HDF5 lock error). Some writes must still happen on every worker (e.g. saving
-a model under MWMS runs collectives), so non-chief tasks get a private
-temporary directory instead of no path at all, deleted when the process ends.
+path they collide. Some writes must still happen on every worker (saving a
+model whose variables are sync-on-read runs an all-reduce per variable, so
+a worker that skips the save leaves the chief waiting), so non-chief tasks
+get a private scratch directory instead of no path at all.
 
     model.save(tfdist.chief_path("out/model.keras"))
     callbacks = [keras.callbacks.TensorBoard(tfdist.chief_path("out/logs"))]
+
+Where scratch lives: inside `$TFDIST_SCRATCH_DIR` when it is set (a
+per-job directory that `tfdist launch` may create and remove), else in the
+system temporary directory. Each process has its own directory there,
+`tfdist_<task>_<pid>_<random>`, deleted when the process exits. A process
+killed by SIGKILL cannot delete its own: the next tfdist process on the
+same machine that needs scratch removes the directories whose owner
+process is gone (each holds a small `.owner` record: host, pid, start time).
 
 No TensorFlow is imported here; the task comes from TF_CONFIG.
 """
@@ -16,16 +24,23 @@ No TensorFlow is imported here; the task comes from TF_CONFIG.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
+import socket
+import stat
 import tempfile
 import threading
 from typing import Mapping
 
 from tfdist import cluster as cluster_lib
 
+SCRATCH_ENV = "TFDIST_SCRATCH_DIR"
+_PREFIX = "tfdist_"
+_OWNER = ".owner"
+
 _lock = threading.Lock()
-_task_dirs: dict[str, str] = {}
+_scratch: dict[str, str] = {}  # scratch root -> this process's directory in it
 
 
 def _config(environ: Mapping[str, str] | None):
@@ -50,8 +65,119 @@ def task_name(environ: Mapping[str, str] | None = None) -> str:
     return "local" if config is None else f"{config.task_type}:{config.task_id}"
 
 
+# --- scratch ----------------------------------------------------------------------
+
+
+def scratch_root(environ: Mapping[str, str] | None = None) -> str:
+    """The directory that holds every task's scratch: $TFDIST_SCRATCH_DIR or the temp dir.
+
+    Raises:
+      ValueError: TFDIST_SCRATCH_DIR names something that is not a directory
+        and cannot be created.
+    """
+    environ = os.environ if environ is None else environ
+    root = environ.get(SCRATCH_ENV, "").strip()
+    if not root:
+        return tempfile.gettempdir()
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"{SCRATCH_ENV} must name a directory tfdist can create files in. Received: "
+            f"{SCRATCH_ENV}={root!r} ({e.strerror or e}). Unset it to use the system "
+            "temporary directory, or point it at a writable directory.") from None
+    return root
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of `pid` in clock ticks since boot (Linux), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def process_alive(pid: int, start: str | None = None) -> bool:
+    """True while process `pid` runs on this host (and, given `start`, is the same process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: alive
+    if start is not None:
+        now = _process_start(pid)
+        if now is not None and now != start:
+            return False  # the pid was reused by another process
+    return True
+
+
+def sweep_stale_scratch(root: str) -> list[str]:
+    """Removes scratch directories in `root` whose owner process has died.
+
+    Only directories this user owns, made on this host by tfdist (with an
+    `.owner` record) are considered; one whose owner is still running, or
+    whose record cannot be read, is left alone.
+
+    Returns:
+      The paths removed.
+    """
+    removed = []
+    host, uid = socket.gethostname(), os.getuid()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        path = os.path.join(root, name)
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                continue
+            with open(os.path.join(path, _OWNER)) as f:
+                owner = json.load(f)
+            pid, start = int(owner["pid"]), owner.get("start")
+            if owner.get("host") != host or pid == os.getpid() or process_alive(pid, start):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def scratch_dir(environ: Mapping[str, str] | None = None) -> str:
+    """This process's private scratch directory (created on first use, removed at exit).
+
+    The first call also removes scratch left behind by killed processes
+    (`sweep_stale_scratch`).
+    """
+    root = scratch_root(environ)
+    with _lock:
+        path = _scratch.get(root)
+        if path is not None and os.path.isdir(path):
+            return path
+        sweep_stale_scratch(root)
+        task = task_name(environ).replace(":", "")
+        path = tempfile.mkdtemp(prefix=f"{_PREFIX}{task}_{os.getpid()}_", dir=root)
+        with open(os.path.join(path, _OWNER), "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(),
+                       "start": _process_start(os.getpid())}, f)
+        _scratch[root] = path
+        atexit.register(_remove, path)
+        return path
+
+
+def new_scratch(what: str, environ: Mapping[str, str] | None = None) -> str:
+    """A fresh, empty directory inside `scratch_dir()`; the caller removes it when done."""
+    return tempfile.mkdtemp(prefix=f"{what}_", dir=scratch_dir(environ))
 
 
 def chief_path(path: str, environ: Mapping[str, str] | None = None) -> str:
@@ -63,9 +189,10 @@ def chief_path(path: str, environ: Mapping[str, str] | None = None) -> str:
 
     Returns:
       `path` itself on the chief. On other tasks, a path with the same base
-      name inside a per-task temporary directory that is deleted when the
-      process exits, so those tasks can run the same save code without
-      touching the chief's files.
+      name inside this process's scratch directory (`scratch_dir()`), which
+      is deleted when the process exits (or, after a SIGKILL, by the next
+      tfdist process that needs scratch), so those tasks can run the same
+      save code without touching the chief's files.
 
     Example:
       >>> model.save(tfdist.chief_path("out/model.keras"))  # doctest: +SKIP
@@ -76,12 +203,5 @@ def chief_path(path: str, environ: Mapping[str, str] | None = None) -> str:
     config = _config(environ)
     if config is None or config.is_chief:
         return path
-    key = f"{config.task_type}{config.task_id}"
-    with _lock:
-        base = _task_dirs.get(key)
-        if base is None:
-            base = tempfile.mkdtemp(prefix=f"tfdist_{key}_")
-            _task_dirs[key] = base
-            atexit.register(_remove, base)
     name = os.path.basename(os.path.normpath(path)) or "out"
-    return os.path.join(base, name)
+    return os.path.join(scratch_dir(environ), name)

@@ -32,8 +32,25 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def run(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+# What follows the flags on a command's usage line (default: nothing).
+_USAGE_ARGS = {"launch": " -- COMMAND [ARGS...]"}
+
+
+def command_usage(command: str, module, *, prog: str | None = None) -> str:
+    """The usage text absl prints for `tfdist COMMAND --help` (its `__main__` docstring)."""
+    doc = (module.__doc__ or "").strip()
+    prog = prog or f"tfdist {command}"
+    text = f"USAGE: {prog} [flags]{_USAGE_ARGS.get(command, '')}\n\n{doc}\n"
+    return "\n" + text.replace("%", "%%")  # absl %-formats the docstring with argv[0]
+
+
+def run(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    """Console-script entry point.
+
+    Args:
+      argv: ["tfdist", COMMAND, ...] (default: sys.argv).
+      prog: how the command was called, for messages (default: "tfdist COMMAND").
+    """
     from absl import app
 
     argv = list(sys.argv if argv is None else argv)
@@ -45,13 +62,18 @@ def run(argv: list[str] | None = None) -> None:
         print(f"tfdist: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(COMMANDS[command][0])
-    # absl's --help lists the key flags of sys.argv[0]'s module (the `tfdist`
-    # script): register the command's flags there so --help shows them.
+    # absl's --help prints __main__'s docstring as the usage (else "USAGE:
+    # argv[0] [flags]", which named the `tfdist` script without the command)
+    # and then the key flags of the module named sys.argv[0]. This process is
+    # the `tfdist` command itself, so both may be set to the subcommand's.
     from absl import flags
 
+    name = prog or f"tfdist {command}"
+    sys.argv[0] = name
+    sys.modules["__main__"].__doc__ = command_usage(command, module, prog=name)
     for flag in flags.FLAGS.get_flags_for_module(module.__name__):
-        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    app.run(module.main, argv=[f"tfdist {command}"] + argv[2:])
+        flags.FLAGS.register_key_flag_for_module(name, flag)
+    app.run(module.main, argv=[name] + argv[2:])
 
 
 if __name__ == "__main__":

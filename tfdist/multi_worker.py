@@ -7,15 +7,20 @@ What tfdist adds to `tf.distribute.MultiWorkerMirroredStrategy()`:
   it and fails at the first all-reduce).
 - The Keras 3 fixes for `model.fit` are applied (tfdist.compat.keras_multi_worker).
 - A join timeout: TensorFlow's constructor blocks until every task has
-  joined, forever. The blocking call is in C++ and cannot be interrupted from
-  Python (it holds the GIL), so a small watchdog process prints a message
-  naming the tasks whose servers never came up (found by connecting to each
-  peer's port) and SIGKILLs the task after `join_timeout` seconds.
+  joined, forever (and a one-task cluster whose own address is not this
+  machine, forever too). The blocking call is in C++ and cannot be
+  interrupted from Python (it holds the GIL, so SIGTERM waits too), so a small
+  watchdog process prints a message naming the tasks whose servers never came
+  up (found by connecting to each peer's port), or what is wrong with this
+  task's own address, and SIGKILLs the task after `join_timeout` seconds.
+- This task's port is checked first: taken, it is a ValueError naming the
+  port instead of TensorFlow's "Could not start gRPC server".
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -58,19 +63,78 @@ def missing_tasks(config: cluster_lib.TFConfig) -> list[str]:
     return out
 
 
+def own_address_problem(config: cluster_lib.TFConfig) -> str | None:
+    """Why this task's own address cannot be this machine, if it plainly cannot.
+
+    TensorFlow serves on the port of the task's own TF_CONFIG entry and then
+    reaches itself through the host name: a host that does not resolve, or that
+    names another machine, makes the constructor wait forever.
+    """
+    address = config.cluster.address(config.task_type, config.task_id)
+    host, _ = cluster_lib.split_address(address)
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return (f"this task's own address {address} does not resolve "
+                f"({getattr(e, 'strerror', None) or e}): its entry in TF_CONFIG must name this "
+                f"machine")
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((sockaddr[0], 0))
+                return None
+            except OSError:
+                continue
+    ips = sorted({info[4][0] for info in infos})
+    return (f"this task's own address {address} resolves to {', '.join(ips)}, which is not an "
+            f"address of this machine: its entry in TF_CONFIG must name this machine")
+
+
+def check_own_port(config: cluster_lib.TFConfig) -> None:
+    """Raises if this task's port is taken, before TensorFlow's server tries it.
+
+    TensorFlow binds the wildcard address on that port and, when it is taken,
+    fails with "UnknownError: Could not start gRPC server" without the port.
+    """
+    address = config.cluster.address(config.task_type, config.task_id)
+    _, port = cluster_lib.split_address(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # gRPC sets SO_REUSEADDR too: connections in TIME_WAIT do not count as "taken".
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return
+            raise ValueError(
+                f"Port {port} of this task ({config.task_type}:{config.task_id}, {address}) is "
+                f"already in use on this machine, so TensorFlow cannot start its server there. "
+                f"Received: TF_CONFIG with {config.task_type}:{config.task_id} at {address}. "
+                f"Stop the process holding the port, or give this task a free port in "
+                f"TF_CONFIG (`tfdist tf-config --local` picks free ones).") from None
+
+
 def join_timeout_message(config: cluster_lib.TFConfig, timeout: float,
-                         missing: list[str]) -> str:
+                         missing: list[str], own_problem: str | None = None) -> str:
     me = f"{config.task_type}:{config.task_id}"
-    if missing:
+    if own_problem:
+        what = own_problem
+    elif missing:
         what = (f"these tasks never joined: {', '.join(missing)} (nothing listens on their "
                 f"ports)")
+    elif config.cluster.num_training_tasks < 2:
+        what = ("this one-task cluster never formed, although nothing seems wrong with its "
+                "address")
     else:
         what = ("every task's port answers, but the group did not form; check that all "
                 "tasks were started with the same TF_CONFIG cluster")
+    fix = ("Fix this task's entry in TF_CONFIG" if own_problem else
+           "Start every task listed in TF_CONFIG (e.g. with `tfdist launch --num_workers=N -- "
+           "python script.py`)")
     return (f"tfdist: MultiWorkerMirroredStrategy on task {me} gave up after waiting "
-            f"{timeout:g} s for the cluster ({config.cluster.sizes()}): {what}. Start every "
-            f"task listed in TF_CONFIG (e.g. with `tfdist launch --num_workers=N -- python "
-            f"script.py`), or raise --join_timeout.")
+            f"{timeout:g} s for the cluster ({config.cluster.sizes()}): {what}. {fix}, or "
+            f"raise --join_timeout.")
 
 
 @contextlib.contextmanager
@@ -83,14 +147,21 @@ def join_watchdog(config: cluster_lib.TFConfig | None, timeout: float):
     and it exits; after `timeout` s it prints the message naming the tasks
     that never joined to our stderr and SIGKILLs this process.
 
+    It runs for every TF_CONFIG, a one-task cluster too: TensorFlow also waits
+    forever there when the task's own address is not this machine. First, this
+    task's port is checked (`check_own_port`).
+
     Args:
       config: this task's TF_CONFIG (None: one worker, nothing to wait for).
       timeout: seconds.
+
+    Raises:
+      ValueError: this task's port is already in use.
     """
-    if config is None or config.cluster.num_training_tasks < 2 or config.task_type not in (
-            "chief", "worker"):
+    if config is None or config.task_type not in ("chief", "worker"):
         yield
         return
+    check_own_port(config)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TF_CONFIG=config.to_json(),
                PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -116,7 +187,8 @@ def _watchdog_main() -> None:
     if readable:  # the parent finished joining, or died
         return
     config = cluster_lib.tf_config_from_env()
-    message = join_timeout_message(config, timeout, missing_tasks(config))
+    message = join_timeout_message(config, timeout, missing_tasks(config),
+                                   own_address_problem(config))
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
     try:
@@ -159,18 +231,19 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
             "communication='nccl' needs GPUs on every worker; NCCL has no CPU kernels, so "
             "training would fail at its first all-reduce. Received: communication='nccl' "
             "on a machine with no GPU. Use communication='ring' or 'auto'.")
-    from tensorflow.python.eager import context
+    from tfdist.compat import keras_multi_worker, tf_state
 
-    if config is not None and context.context()._context_handle is not None:
+    if config is not None and tf_state.runtime_started():
         raise RuntimeError(
             "MultiWorkerMirroredStrategy must be created before TensorFlow's runtime starts "
             "(collective ops are configured at start-up), but this process already ran "
             "TensorFlow ops or listed logical devices. Create the strategy first thing in the "
             "script, and do not split the CPU into logical devices (MultiWorkerMirrored uses "
             "one device per worker on CPUs).")
-    from tfdist.compat import keras_multi_worker
+    from tfdist.compat import keras_files
 
-    keras_multi_worker.apply()
+    keras_multi_worker.install()
+    keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
     start = time.monotonic()
     with join_watchdog(config, options.join_timeout):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(

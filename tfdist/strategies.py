@@ -99,6 +99,8 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
     Raises:
       ValueError: unknown preset or option, a bad option value, or a request
         this machine cannot meet (a missing device, NCCL without GPUs).
+      tfdist.compat.UnsupportedVersionError: TensorFlow or Keras outside the
+        supported range (`tfdist.compat.SUPPORTED`).
 
     Example:
       >>> strategy = tfdist.make_strategy("mirrored", num_devices=2)
@@ -115,8 +117,11 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
     else:
         opts = make_options(preset, **options)
     _check_tf_config()
+    from tfdist.compat import _owner, _versions
+
+    # Before any fix or private TensorFlow/Keras code runs: a clear error outside the range.
+    _versions.check_supported()
     strategy = get_preset(opts.preset).factory(opts)
-    from tfdist.compat import _owner
 
     if not _owner.is_default_strategy(strategy):
         # tfdist's compat fixes apply to this strategy (and only to strategies made here).
@@ -161,7 +166,9 @@ def describe(strategy, global_batch_size: int | None = None) -> str:
       ValueError: if `global_batch_size` does not divide over the replicas.
     """
     replicas = strategy.num_replicas_in_sync
-    resolver = getattr(strategy, "_cluster_resolver", None)
+    from tfdist.compat import tf_state
+
+    resolver = tf_state.cluster_resolver(strategy)
     jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
     if "ps" in jobs:
         # Asynchronous: each worker step uses the whole global batch.
@@ -227,14 +234,16 @@ def _one_device(options: config_lib.OneDeviceOptions):
 )
 def _mirrored(options: config_lib.MirroredOptions):
     tf = import_tensorflow()
-    from tfdist import compat
     from tfdist import devices as devices_lib
+    from tfdist.compat import collective_keys
 
     devices = devices_lib.resolve_devices(options.devices, options.num_devices)
-    compat.fresh_collective_key_base()
-    strategy = tf.distribute.MirroredStrategy(
+    if options.cross_device_ops == "ring":
+        # Collective ring all-reduce, as TF picks by default on CPUs; built
+        # explicitly so it can be forced on GPUs too.
+        return collective_keys.mirrored_strategy(devices, ring=True)
+    return collective_keys.mirrored_strategy(
         devices, cross_device_ops=_cross_device_ops(tf, options.cross_device_ops, devices))
-    return strategy
 
 
 def _cross_device_ops(tf, name: str, devices: tuple[str, ...]):
@@ -253,22 +262,6 @@ def _cross_device_ops(tf, name: str, devices: tuple[str, ...]):
                 f"{', '.join(devices)}. Use cross_device_ops='ring' or 'auto' on CPUs."
             )
         return tf.distribute.NcclAllReduce()
-    if name == "ring":
-        # Collective ring all-reduce, as TF picks by default on CPUs; built
-        # explicitly so it can be forced on GPUs too. Keys follow the base set
-        # by compat.fresh_collective_key_base() for this strategy.
-        from tensorflow.python.distribute import collective_util, cross_device_ops, \
-            cross_device_utils, mirrored_strategy
-
-        keys = cross_device_utils.CollectiveKeys(
-            group_key_start=1 + mirrored_strategy.MirroredStrategy._collective_key_base)
-        return cross_device_ops.CollectiveAllReduce(
-            devices=devices,
-            group_size=len(devices),
-            options=collective_util.Options(
-                implementation=collective_util.CommunicationImplementation.RING),
-            collective_keys=keys,
-        )
     raise AssertionError(name)  # config validation makes this unreachable
 
 

@@ -9,7 +9,10 @@ original (`make(original)`).
 
 Replacements must pass straight through to `original` for objects tfdist did
 not create (see `tfdist.compat._owner`); `uninstall()` puts every original
-back, so a process can return to stock Keras.
+back, so a process can return to stock Keras. Two fixes of one attribute
+stack (the newer wraps the older's replacement; each passes through for what
+it does not own); uninstalling either takes the stack apart in order.
+Installing refuses TensorFlow/Keras versions outside `tfdist.compat.SUPPORTED`.
 
     FIX = Fix(
         name="keras_multi_worker.reduce_per_replica",
@@ -19,11 +22,14 @@ back, so a process can return to stock Keras.
         make=lambda original: ...,
     )
     install(FIX)        # idempotent
+    install_all(FIXES)  # all or none
     uninstall()         # every fix, newest first
+    with uninstall_after(): ...   # what the block installed
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -86,12 +92,17 @@ def install(fix: Fix) -> bool:
       True if it was installed by this call, False if it already was.
 
     Raises:
+      UnsupportedVersionError: TensorFlow/Keras outside the supported range
+        (see tfdist.compat.SUPPORTED); nothing is changed then.
       CompatError: the target is missing or its shape differs from what the
         fix was written for (nothing is changed then).
     """
+    from tfdist.compat import _versions
+
     with _lock:
         if fix.name in _active:
             return False
+        _versions.check_supported()
         try:
             owner, attribute = fix.target()
         except (ImportError, AttributeError) as e:
@@ -103,12 +114,10 @@ def install(fix: Fix) -> bool:
             raise CompatError(
                 f"tfdist fix {fix.name!r} ({fix.issue}): {_name(owner)} has no attribute "
                 f"{attribute!r} in this TensorFlow/Keras version.")
+        # If another fix already replaced this attribute, this one wraps that fix's
+        # replacement (each passes through for what it does not own); uninstall()
+        # takes such a stack apart in order.
         stored = _raw(owner, attribute)
-        if getattr(_unwrap_descriptor(stored), "__tfdist_fix__", None) is not None:
-            raise CompatError(
-                f"tfdist fix {fix.name!r}: {_name(owner)}.{attribute} is already replaced by "
-                f"fix {_unwrap_descriptor(stored).__tfdist_fix__!r}; two fixes may not "
-                "replace the same attribute.")
         original = getattr(owner, attribute)
         fix.check(original)
         replacement = fix.make(original)
@@ -123,8 +132,33 @@ def install(fix: Fix) -> bool:
         return True
 
 
+def install_all(fixes: Iterable[Fix]) -> tuple[str, ...]:
+    """Installs several fixes that only make sense together: all of them, or none.
+
+    Returns:
+      The names of the fixes installed by this call.
+
+    Raises:
+      UnsupportedVersionError, CompatError: as `install`; fixes this call had
+        already installed are uninstalled again first.
+    """
+    done: list[str] = []
+    with _lock:
+        try:
+            for fix in fixes:
+                if install(fix):
+                    done.append(fix.name)
+        except BaseException:
+            uninstall(done)
+            raise
+    return tuple(done)
+
+
 def uninstall(names: Iterable[str] | None = None) -> tuple[str, ...]:
     """Restores the originals of the named fixes (default: all), newest first.
+
+    A fix that another, newer fix wraps (both replace one attribute) is taken
+    out of the stack: the newer one is rebuilt on what lies below.
 
     Returns:
       The names of the fixes removed.
@@ -133,13 +167,48 @@ def uninstall(names: Iterable[str] | None = None) -> tuple[str, ...]:
         chosen = list(_active) if names is None else [n for n in names if n in _active]
         removed = []
         for name in reversed(chosen):
-            entry = _active.pop(name)
-            if entry.had_own:
-                setattr(entry.owner, entry.attribute, entry.original)
-            else:
-                delattr(entry.owner, entry.attribute)
+            if name not in _active:
+                continue
+            entry = _active[name]
+            order = list(_active)
+            above = [_active[n] for n in order[order.index(name) + 1:]
+                     if _active[n].owner is entry.owner
+                     and _active[n].attribute == entry.attribute]
+            for other in reversed(above):  # newest first, down to `entry`
+                _restore(_active.pop(other.fix.name))
+            _restore(_active.pop(name))
             removed.append(name)
+            for other in above:  # rebuilt on what is now below them
+                install(other.fix)
         return tuple(removed)
+
+
+def _restore(entry: _Installed) -> None:
+    if entry.had_own:
+        setattr(entry.owner, entry.attribute, entry.original)
+    else:
+        delattr(entry.owner, entry.attribute)
+
+
+@contextlib.contextmanager
+def uninstall_after():
+    """Undoes, when the block ends, every fix installed inside it (earlier ones stay).
+
+        with tfdist.compat.uninstall_after():
+            strategy = tfdist.make_strategy("multi_worker_mirrored")
+            ...
+        # stock Keras again; strategies made inside the block no longer get fixes
+
+    Yields:
+      None.
+    """
+    with _lock:
+        before = set(_active)
+    try:
+        yield
+    finally:
+        with _lock:
+            uninstall([name for name in _active if name not in before])
 
 
 def installed() -> tuple[str, ...]:
@@ -148,8 +217,13 @@ def installed() -> tuple[str, ...]:
         return tuple(_active)
 
 
-def original(name: str) -> Any:
-    """The attribute `name` replaced (as stored; raises KeyError if not installed)."""
+def stored_original(name: str) -> Any:
+    """The attribute the fix `name` replaced (as stored; raises KeyError if not installed).
+
+    (Not called `original`: replacements traced by AutoGraph inside tf.function
+    refer to their closure variable `original`, and AutoGraph resolved that
+    name to a module-level function of the same name here.)
+    """
     with _lock:
         return _active[name].original
 

@@ -1,10 +1,11 @@
 """Two fixes that make Keras 3 `model.fit` work under MultiWorkerMirroredStrategy.
 
 Upstream: keras-team/keras#20585 (open; also tensorflow/tensorflow#72388).
-Verified on Keras 3.15 + TensorFlow 2.21. Both patch Keras, not TensorFlow,
-and both change behaviour only when the strategy really spans several
-workers (`_collective_all_reduce_multi_worker(strategy)` is true), so
-single-machine strategies run Keras's own code path untouched.
+Both replace Keras code (keras/src/backend/tensorflow/trainer.py), and both
+pass straight through to Keras unless the model's strategy was made by
+tfdist *and* really spans several workers
+(`_collective_all_reduce_multi_worker(strategy)`): a plain model, a user's
+own strategy and single-machine presets run Keras's code untouched.
 
 1. `TensorFlowTrainer._maybe_symbolic_build` builds the model before `fit`
    from the first batch. With a distributed batch it calls
@@ -16,6 +17,10 @@ single-machine strategies run Keras's own code path untouched.
    replica's batch. (The alternative, teaching TensorFlow's `_reduce_to` to
    map over structures, changes `strategy.reduce` for every user and still
    runs a needless cross-worker all-reduce of the whole first batch.)
+   Shape relied on: the epoch iterator is iterable and yields tuples whose
+   last item is the data iterator (Keras 3.10 yields `(step, iterator)`,
+   3.11.3 and later `(begin_step, end_step, iterator)`; both work). Keras
+   3.5's epoch iterator is not iterable: refused at install.
 
 2. `reduce_per_replica(reduction="auto")` reduces the step's logs (scalar
    loss and metric values) with `strategy.reduce("MEAN", v, axis=0)` in
@@ -25,82 +30,86 @@ single-machine strategies run Keras's own code path untouched.
    axis=None (the mean over replicas) for scalars; tensors with a batch
    dimension keep Keras's axis=0.
 
-`apply()` is idempotent and is called by the multi_worker_mirrored preset,
-never at `import tfdist`. tests/test_compat_multi_worker.py fails when the
-patched Keras code changes (so the fix must be re-checked) and when upstream
-no longer has the bug.
+`install()` is idempotent and is called by the multi_worker_mirrored preset,
+never at `import tfdist`; `tfdist.compat.uninstall()` undoes both. The
+canary, tests/test_compat_multi_worker.py, runs a real 2-worker `fit` with
+the fixes uninstalled and sees both failures (so the fixes are still needed).
 """
 
 from __future__ import annotations
 
 import inspect
-import logging
-import threading
-import warnings
 
-from tfdist._tf import import_tensorflow
-from tfdist.compat import _versions
+from tfdist.compat import _owner, _patch
 
-logger = logging.getLogger("tfdist")
-
-UPSTREAM_ISSUES = ("keras-team/keras#20585", "tensorflow/tensorflow#72388")
-
-# Markers of the upstream code each fix targets; when a marker disappears,
-# upstream changed that code and the fix is skipped (with a warning) rather
-# than applied blindly.
-_SYMBOLIC_BUILD_MARKER = "self.distribute_strategy.reduce("
-_REDUCE_PER_REPLICA_MARKER = 'strategy.reduce("MEAN", v, axis=0)'
-
-_lock = threading.Lock()
-_applied: dict[str, bool] = {}
+UPSTREAM_ISSUE = "keras-team/keras#20585 (also tensorflow/tensorflow#72388)"
+SYMBOLIC_BUILD = "keras_multi_worker.symbolic_build"
+REDUCE_PER_REPLICA = "keras_multi_worker.reduce_per_replica"
 
 
 def _trainer_module():
+    from tfdist._tf import import_tensorflow
+
     import_tensorflow()
     from keras.src.backend.tensorflow import trainer
 
     return trainer
 
 
-def _source(obj) -> str | None:
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return None
+def _multi_worker_owned(strategy) -> bool:
+    """True for a strategy tfdist made that spans several workers."""
+    return (_owner.owns(strategy)
+            and bool(_trainer_module()._collective_all_reduce_multi_worker(strategy)))
 
 
-def symbolic_build_fix_needed() -> bool:
-    """True while Keras's `_maybe_symbolic_build` still reduces the first batch."""
+# --- 1. _maybe_symbolic_build ----------------------------------------------------
+
+
+def _check_symbolic_build(original) -> None:
     trainer = _trainer_module()
-    original = getattr(trainer.TensorFlowTrainer._maybe_symbolic_build,
-                       "__tfdist_original__", trainer.TensorFlowTrainer._maybe_symbolic_build)
-    source = _source(original)
-    return source is not None and _SYMBOLIC_BUILD_MARKER in source
+    _patch.require_signature(original, "iterator", "data_batch",
+                             what="TensorFlowTrainer._maybe_symbolic_build")
+    _patch.require_attributes(trainer.TensorFlowTrainer, "_symbolic_build",
+                              what="TensorFlowTrainer")
+    _patch.require_attributes(trainer, "_collective_all_reduce_multi_worker",
+                              what="keras.src.backend.tensorflow.trainer")
+    # What the replacement iterates: Keras's epoch iterator, one step at a time.
+    epoch_iterator = trainer.TFEpochIterator
+    _patch.require_attributes(epoch_iterator, "__iter__", "__next__", "_enumerate_iterator",
+                              what="TFEpochIterator")
+    if not inspect.isgeneratorfunction(
+            _patch._unwrap_descriptor(inspect.getattr_static(epoch_iterator,
+                                                             "_enumerate_iterator"))):
+        raise _patch.CompatError(
+            "TFEpochIterator._enumerate_iterator is no longer a generator of steps; the tfdist "
+            f"fix {SYMBOLIC_BUILD!r} iterates it. See tfdist.compat.SUPPORTED.")
 
 
-def reduce_per_replica_fix_needed() -> bool:
-    """True while Keras's `reduce_per_replica` reduces scalars with axis=0."""
-    trainer = _trainer_module()
-    original = getattr(trainer.reduce_per_replica, "__tfdist_original__",
-                       trainer.reduce_per_replica)
-    source = _source(original)
-    return source is not None and _REDUCE_PER_REPLICA_MARKER in source
+def _data_iterator(step):
+    """The data iterator in one item of Keras's epoch iterator (a tuple ending with it)."""
+    if isinstance(step, tuple) and step and hasattr(step[-1], "__next__"):
+        return step[-1]
+    raise _patch.CompatError(
+        f"tfdist fix {SYMBOLIC_BUILD!r} ({UPSTREAM_ISSUE}): Keras's epoch iterator yielded "
+        f"{type(step).__name__} {step!r:.80}; the fix expects a tuple ending with the data "
+        "iterator ((step, iterator) in Keras 3.10, (begin, end, iterator) from 3.11.3). This "
+        "Keras version is outside what tfdist supports: see tfdist.compat.SUPPORTED.")
 
 
-def _patch_symbolic_build(trainer) -> None:
+def _make_symbolic_build(original):
+    from tfdist._tf import import_tensorflow
+
     tf = import_tensorflow()
-    from keras.src import tree
+    from keras import tree
 
-    cls = trainer.TensorFlowTrainer
-    original = cls._maybe_symbolic_build
+    def applies(self, iterator=None, data_batch=None):
+        return iterator is not None and _multi_worker_owned(self._distribute_strategy)
 
+    @_patch.passthrough(original, applies)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
-        if (iterator is None or strategy is None
-                or not trainer._collective_all_reduce_multi_worker(strategy)):
-            return original(self, iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:
-            batch = next(it)
+        for step in iterator:
+            batch = next(_data_iterator(step))
             # Shapes and dtypes are all the build needs: no cross-worker reduce.
             data_batch = tree.map_structure(
                 lambda v: (strategy.experimental_local_results(v)[0]
@@ -110,22 +119,39 @@ def _patch_symbolic_build(trainer) -> None:
         with strategy.scope():
             self._symbolic_build(data_batch=data_batch)
 
-    _maybe_symbolic_build.__tfdist_original__ = original
-    _maybe_symbolic_build.__doc__ = original.__doc__
-    cls._maybe_symbolic_build = _maybe_symbolic_build
+    return _maybe_symbolic_build
 
 
-def _patch_reduce_per_replica(trainer) -> None:
+SYMBOLIC_BUILD_FIX = _patch.Fix(
+    name=SYMBOLIC_BUILD,
+    issue=UPSTREAM_ISSUE,
+    target=lambda: (_trainer_module().TensorFlowTrainer, "_maybe_symbolic_build"),
+    check=_check_symbolic_build,
+    make=_make_symbolic_build,
+)
+
+
+# --- 2. reduce_per_replica --------------------------------------------------------
+
+
+def _check_reduce_per_replica(original) -> None:
+    _patch.require_signature(original, "values", "strategy", "reduction",
+                             what="keras.src.backend.tensorflow.trainer.reduce_per_replica")
+    _patch.require_attributes(_trainer_module(), "_collective_all_reduce_multi_worker",
+                              what="keras.src.backend.tensorflow.trainer")
+
+
+def _make_reduce_per_replica(original):
+    from tfdist._tf import import_tensorflow
+
     tf = import_tensorflow()
-    from keras.src import tree
+    from keras import tree
 
-    original = trainer.reduce_per_replica
+    def applies(values, strategy, reduction):
+        return reduction in ("auto", "mean") and _multi_worker_owned(strategy)
 
+    @_patch.passthrough(original, applies)
     def reduce_per_replica(values, strategy, reduction):
-        if reduction not in ("auto", "mean") or not trainer._collective_all_reduce_multi_worker(
-                strategy):
-            return original(values, strategy, reduction)
-
         def _reduce(v):
             local = (strategy.experimental_local_results(v)[0]
                      if isinstance(v, tf.distribute.DistributedValues) else v)
@@ -135,46 +161,29 @@ def _patch_reduce_per_replica(trainer) -> None:
 
         return tree.map_structure(_reduce, values)
 
-    reduce_per_replica.__tfdist_original__ = original
-    reduce_per_replica.__doc__ = original.__doc__
-    # `_make_function` looks the function up in the module at trace time.
-    trainer.reduce_per_replica = reduce_per_replica
+    return reduce_per_replica
 
 
-def apply() -> dict[str, bool]:
-    """Applies both fixes once (idempotent, thread-safe).
+# `_make_function` looks `reduce_per_replica` up in the module at trace time.
+REDUCE_PER_REPLICA_FIX = _patch.Fix(
+    name=REDUCE_PER_REPLICA,
+    issue=UPSTREAM_ISSUE,
+    target=lambda: (_trainer_module(), "reduce_per_replica"),
+    check=_check_reduce_per_replica,
+    make=_make_reduce_per_replica,
+)
+
+FIXES = (SYMBOLIC_BUILD_FIX, REDUCE_PER_REPLICA_FIX)
+
+
+def install() -> tuple[str, ...]:
+    """Installs both fixes, or neither (idempotent, thread-safe).
 
     Returns:
-      {"symbolic_build": applied?, "reduce_per_replica": applied?}. A fix is
-      not applied when the Keras code it targets no longer has the bug
-      (upstream fixed or changed it); tfdist then warns once.
+      The names of the fixes this call installed (() if they already were).
+
+    Raises:
+      CompatError: Keras's code is not shaped as the fixes expect (nothing is
+        installed then); UnsupportedVersionError outside the supported range.
     """
-    with _lock:
-        if _applied:
-            return dict(_applied)
-        _versions.check_versions(warn=True)
-        trainer = _trainer_module()
-        for name, needed, patch in (
-            ("symbolic_build", symbolic_build_fix_needed, _patch_symbolic_build),
-            ("reduce_per_replica", reduce_per_replica_fix_needed, _patch_reduce_per_replica),
-        ):
-            if needed():
-                patch(trainer)
-                _applied[name] = True
-                logger.debug("tfdist: applied Keras multi-worker fix %s (%s)", name,
-                             UPSTREAM_ISSUES[0])
-            else:
-                _applied[name] = False
-                warnings.warn(
-                    f"tfdist.compat.keras_multi_worker: the Keras code fixed by '{name}' "
-                    f"({UPSTREAM_ISSUES[0]}) has changed; the fix was not applied. If "
-                    "model.fit fails under MultiWorkerMirroredStrategy, check whether "
-                    "upstream fixed the bug and update tfdist.",
-                    stacklevel=2,
-                )
-        return dict(_applied)
-
-
-def applied() -> dict[str, bool]:
-    """Which fixes `apply()` installed ({} before the first call)."""
-    return dict(_applied)
+    return _patch.install_all(FIXES)

@@ -13,10 +13,16 @@ Like Accelerate's `notebook_launcher`, but a notebook kernel that has
 imported TensorFlow cannot be forked safely (its runtime threads do not
 survive fork), and a multi-worker cluster needs one fresh process per task
 with its own TF_CONFIG. So the function's *source* is sent to new Python
-processes started by `tfdist.launch.launch` (free 127.0.0.1 ports, output
-prefixed with each task's name, failures stop the group). The function must
-therefore be self-contained: import what it uses inside its body, and take
-and return picklable values.
+processes started by `tfdist.launch.launch` (a private loopback-only network
+where the OS allows it, output prefixed with each task's name, failures stop
+the group). The function must therefore be self-contained: import what it
+uses inside its body, and take and return picklable values.
+
+The tasks import with the kernel's `sys.path` and its working directory (so
+`import models` works as in the notebook), except folders that other users
+can write to (such as /tmp): a module planted there would run in every task,
+so those are left out with a warning. Run the notebook from a folder of your
+own to import from it.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import stat
 import sys
 import tempfile
 import textwrap
+import warnings
 from typing import Any, Callable, Sequence
 
 _RUNNER = """\
@@ -47,6 +55,38 @@ with open(os.path.join({out_dir!r}, _task + ".pkl"), "wb") as f:
 
 class NotebookLaunchError(RuntimeError):
     """A task failed; the message says which and how (its output is above)."""
+
+
+def _writable_by_others(path: str) -> str | None:
+    """Why `path` is unsafe on a task's sys.path (None: safe or absent)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_mode & stat.S_IWOTH:
+        return "every user can write to it"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"it belongs to another user (uid {st.st_uid})"
+    return None
+
+
+def task_sys_path() -> list[str]:
+    """The kernel's working directory and sys.path, without folders others can write to."""
+    paths, seen = [], set()
+    for path in [os.getcwd()] + [p for p in sys.path if p]:
+        path = os.path.abspath(path)
+        if path in seen:
+            continue
+        seen.add(path)
+        why = _writable_by_others(path)
+        if why:
+            warnings.warn(
+                f"notebook_launcher leaves {path} off the tasks' sys.path: {why}, so a module "
+                f"planted there would be imported by every task. Move the notebook (and the "
+                f"modules it imports) to a folder of your own.", stacklevel=3)
+            continue
+        paths.append(path)
+    return paths
 
 
 def _function_source(function: Callable) -> str:
@@ -73,7 +113,8 @@ def _function_source(function: Callable) -> str:
 def notebook_launcher(function: Callable, args: Sequence[Any] = (), kwargs: dict | None = None,
                       *, num_workers: int = 2, num_ps: int = 0, chief: bool = False,
                       max_restarts: int = 0, timeout: float | None = 600.0,
-                      env: dict[str, str] | None = None) -> dict[str, Any]:
+                      network: str = "auto", env: dict[str, str] | None = None
+                      ) -> dict[str, Any]:
     """Runs `function(*args, **kwargs)` once per task of a local cluster.
 
     Args:
@@ -82,6 +123,7 @@ def notebook_launcher(function: Callable, args: Sequence[Any] = (), kwargs: dict
       num_workers, num_ps, chief: the cluster (see `tfdist.launch.launch`).
       max_restarts: restart the whole group after a failure up to this often.
       timeout: seconds for the whole job; None for no limit.
+      network: "auto", "private" or "host" (see `tfdist.launch.launch`).
       env: extra environment variables for the tasks.
 
     Returns:
@@ -106,12 +148,13 @@ def notebook_launcher(function: Callable, args: Sequence[Any] = (), kwargs: dict
         script = os.path.join(work_dir, "task.py")
         with open(script, "w") as f:
             # The kernel's working directory and path, so `import models` etc. work.
-            paths = [os.getcwd()] + [p for p in sys.path if p]
+            paths = task_sys_path()
             f.write(_RUNNER.format(paths=paths, args_path=args_path, source=source,
                                    name=function.__name__, out_dir=work_dir))
         result = launch_lib.launch(
             [sys.executable, script], num_workers=num_workers, num_ps=num_ps, chief=chief,
-            max_restarts=max_restarts, timeout=timeout, env={**os.environ, **(env or {})})
+            max_restarts=max_restarts, timeout=timeout, network=network,
+            env={**os.environ, **(env or {})})
         if not result.ok:
             raise NotebookLaunchError(result.message)
         returned = {}

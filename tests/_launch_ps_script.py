@@ -1,0 +1,85 @@
+"""A parameter-server job for tests/test_launch_faults.py; every task runs it under
+`tfdist launch --num_workers=2 --num_ps=1 --chief`.
+
+Worker and ps tasks print their pid and serve inside `make_strategy` (never
+return). The chief trains epochs of plain `model.fit`, printing JSON lines:
+
+  {"event": "epoch", "epoch": e, "iterations": n}
+  {"event": "done", "iterations": n, "scheduled": s, "rerun_after_write": r}
+
+`rerun_after_write` counts steps that ran twice because a worker died after
+their first run had written (the parameter-server work's step accounting,
+`tfdist.ps.CoordinatorTrainer`; 0 where that accounting is not available).
+
+After its first epoch it keeps training, one epoch at a time, until the file
+DIR/rejoined exists (the test writes it once it has killed worker:1 and seen
+the replacement the launcher started run a step) or 120 s pass.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MARKER = "tfdist-test-step-ran"
+
+
+def main(workdir: str) -> None:
+    import tfdist
+    import tfdist.chief
+
+    os.write(1, f"{tfdist.chief.task_name()} pid={os.getpid()}\n".encode())
+    strategy = tfdist.make_strategy("parameter_server", connect_timeout=60)
+    tf = tfdist.import_tensorflow()
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 8)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def dataset_fn(input_context):
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    class Marked(keras.Sequential):
+        def train_step(self, data):
+            tf.print(MARKER, output_stream=sys.stderr)  # runs (and prints) on a worker
+            return super().train_step(data)
+
+    with strategy.scope():
+        model = Marked([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+
+    def emit(**event):
+        print(json.dumps(event), flush=True)
+
+    try:
+        from tfdist.ps import CoordinatorTrainer
+    except ImportError:
+        CoordinatorTrainer = None
+
+    def reruns_after_write() -> int:
+        if CoordinatorTrainer is None:
+            return 0
+        return CoordinatorTrainer.for_model(model).last_report.rerun_after_write
+
+    steps, scheduled, epoch, reruns = 20, 0, 0, 0
+    deadline = time.monotonic() + 120
+    while epoch == 0 or (not os.path.exists(os.path.join(workdir, "rejoined"))
+                         and time.monotonic() < deadline):
+        model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)
+        scheduled += steps
+        reruns += reruns_after_write()
+        emit(event="epoch", epoch=epoch, iterations=int(model.optimizer.iterations.numpy()))
+        epoch += 1
+    model.fit(dataset_fn, epochs=1, steps_per_epoch=steps, verbose=0)  # with worker:1 back
+    scheduled += steps
+    reruns += reruns_after_write()
+    emit(event="done", iterations=int(model.optimizer.iterations.numpy()), scheduled=scheduled,
+         rerun_after_write=reruns)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,449 @@
+"""The local supervisor: start one process per task, relay its output, end the job cleanly.
+
+    result = tfdist.launch.launch(["python", "train.py"], num_workers=2)
+    result.returncode
+
+What it does, like torchrun / horovodrun for TensorFlow:
+- gives each task its TF_CONFIG in the task's environment (never in ours), on
+  free ports, plus `TFDIST_LAUNCH_ATTEMPT` (1, 2, ... per group restart) and
+  `TFDIST_SCRATCH_DIR` (a scratch directory removed when the job ends);
+- runs the tasks in a private loopback-only network namespace where the OS
+  allows it (`tfdist.launch.isolation`): TensorFlow's servers listen on every
+  interface and run any op they are sent;
+- prefixes every output line with the task (`[worker:1] ...`), drops
+  TensorFlow's start-up lines, caps line length (`tfdist.launch.output`);
+- ends the job by `tfdist.launch.policy`: the first failure stops the others
+  (SIGTERM to each task's process group, SIGKILL after `grace_period`;
+  TensorFlow catches SIGTERM); a parameter-server worker is restarted alone;
+- `max_restarts`: after a failure, restarts the whole group on fresh ports;
+- no orphans: SIGINT/SIGTERM/SIGHUP to the launcher stop every task, and the
+  job keeper kills what is left if the launcher itself is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Mapping, Sequence
+
+from tfdist import cluster as cluster_lib
+from tfdist.launch import isolation, jobdir, output, policy, program
+from tfdist.launch.policy import TIMEOUT_EXIT_CODE, LaunchResult, TaskExit
+
+_POLL_SECONDS = 0.05
+PREFIX = "[tfdist launch]"
+ATTEMPT_ENV = "TFDIST_LAUNCH_ATTEMPT"
+# File descriptors the launcher holds per task (two pipes) and for itself.
+_FDS_PER_TASK = 3
+_FDS_RESERVED = 64
+
+
+class LaunchError(RuntimeError):
+    """The job could not be started (the message says why and what to do)."""
+
+
+class Task:
+    """One running task process."""
+
+    def __init__(self, task_type: str, task_id: int):
+        self.task_type, self.task_id = task_type, task_id
+        self.name = f"{task_type}:{task_id}"
+        self.proc: subprocess.Popen | None = None
+        self.output = output.TaskOutput(self.name)
+        self.stopped = False
+        self.restarts = 0
+        self.reported = False  # its exit was handed to the policy
+
+
+class Group:
+    """One attempt: the tasks running on this machine, their output, the stop logic.
+
+    Args:
+      argv: the checked command (program.Program.argv).
+      cluster: the attempt's cluster; TF_CONFIG is built from it.
+      tasks: the (task_type, task_id) pairs to run here (default: all).
+      env: the tasks' base environment.
+      keeper: the job keeper (namespaces, process-group tracking).
+      relay: the output relay.
+      attempt: the attempt number (TFDIST_LAUNCH_ATTEMPT).
+    """
+
+    def __init__(self, argv: Sequence[str], cluster: cluster_lib.Cluster, *,
+                 tasks: Sequence[tuple[str, int]] | None = None, env: Mapping[str, str],
+                 keeper: isolation.JobKeeper, relay: output.Relay, attempt: int):
+        self._argv = list(argv)
+        self._cluster = cluster
+        self._env = dict(env)
+        self._keeper = keeper
+        self._relay = relay
+        self._attempt = attempt
+        self.tasks = [Task(t, i) for t, i in (tasks if tasks is not None else cluster.tasks())]
+        try:
+            for task in self.tasks:
+                self.start(task)
+        except BaseException:
+            self.stop(grace_period=0)
+            raise
+
+    def start(self, task: Task) -> None:
+        """Starts (or restarts) one task with its TF_CONFIG."""
+        env = dict(self._env, TF_CONFIG=cluster_lib.tf_config_for(
+            self._cluster, task.task_type, task.task_id))
+        env[ATTEMPT_ENV] = str(self._attempt)
+        if task.proc is not None:
+            self._keeper.forget(task.proc.pid)
+        task.output = output.TaskOutput(task.name)
+        task.stopped = False
+        task.reported = False
+        try:
+            task.proc = subprocess.Popen(
+                self._keeper.task_argv(self._argv), env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                pass_fds=self._keeper.namespaces.fds)
+        except OSError as e:
+            raise LaunchError(
+                f"could not start {task.name}: {e.strerror or e}. "
+                f"{_os_error_fix(e)}") from None
+        self._keeper.track(task.proc.pid)
+        self._relay.add(task.output, task.proc.stdout, task.proc.stderr)
+
+    def exited(self) -> list[Task]:
+        """Tasks that ended since the last call (each reported once)."""
+        done = []
+        for task in self.tasks:
+            if not task.reported and task.proc.poll() is not None:
+                task.reported = True
+                done.append(task)
+        return done
+
+    def tail(self, task: Task) -> list[str]:
+        """The task's last lines, once its output is complete (bounded wait)."""
+        self._relay.wait_closed(task.output, timeout=2)
+        return list(task.output.tail)
+
+    def silent(self, seconds: float, watched) -> Task | None:
+        """A running watched task with no output for `seconds`, if any."""
+        now = time.monotonic()
+        for task in self.tasks:
+            if (task.proc.poll() is None and watched(task.name)
+                    and now - task.output.last_output > seconds):
+                return task
+        return None
+
+    def stop(self, *, grace_period: float) -> None:
+        """SIGTERM every live task's process group, then SIGKILL after the grace period."""
+        live = [t for t in self.tasks if t.proc is not None and t.proc.poll() is None]
+        for t in live:
+            t.stopped = True
+            _killpg(t.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_period
+        for t in live:
+            try:
+                t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        started = [t for t in self.tasks if t.proc is not None]
+        for t in started:
+            # Also ends what a finished task left in its process group.
+            _killpg(t.proc.pid, signal.SIGKILL)
+        for t in started:
+            t.proc.wait()
+        self._keeper.sweep()  # strays that left their process group
+        for t in started:
+            self._keeper.forget(t.proc.pid)
+            self._relay.wait_closed(t.output, timeout=5)
+
+    def exits(self) -> tuple[TaskExit, ...]:
+        return tuple(TaskExit(t.name, t.proc.pid, t.proc.returncode, t.stopped, t.restarts)
+                     for t in self.tasks if t.proc is not None)
+
+
+def _os_error_fix(e: OSError) -> str:
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (f"The launcher ran out of file descriptors (ulimit -n is {soft}): raise it "
+                f"(ulimit -n 65536) or launch fewer tasks.")
+    if e.errno in (errno.EAGAIN, errno.ENOMEM):
+        return ("The system refused a new process (process limit or memory): launch fewer "
+                "tasks, or raise ulimit -u.")
+    return "Check the command and the system's limits."
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Signals:
+    """Turns SIGINT/SIGTERM/SIGHUP into a flag while launch() runs (main thread only)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        del frame
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+def check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}. Received: {name}={value!r}")
+
+
+def check_seconds(name: str, value, *, allow_zero: bool = False, allow_none: bool = True) -> None:
+    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is None and allow_none:
+        return
+    if not ok_type or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        expected = ">= 0" if allow_zero else "> 0"
+        none = " or None (no limit)" if allow_none else ""
+        raise ValueError(f"{name} must be a finite number of seconds {expected}{none}. "
+                         f"Received: {name}={value!r}")
+
+
+def check_file_limit(num_tasks: int) -> None:
+    """Refuses a job this process cannot hold the pipes for (instead of EMFILE midway)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    needed = _FDS_PER_TASK * num_tasks + _FDS_RESERVED
+    if needed > soft:
+        most = max(0, (soft - _FDS_RESERVED) // _FDS_PER_TASK)
+        raise ValueError(
+            f"{num_tasks} tasks need about {needed} open files in the launcher (pipes for "
+            f"their output), but this process may open only {soft} (ulimit -n). Received: "
+            f"{num_tasks} tasks; expected at most {most} here. Raise the limit "
+            f"(ulimit -n {needed}) or launch fewer tasks.")
+
+
+def task_env(env: Mapping[str, str] | None, *, job_dir: str, startup_logs: bool) -> dict:
+    """The tasks' shared environment: ours (or `env`) without TF_CONFIG, plus the job's."""
+    base = dict(os.environ if env is None else env)
+    base.pop("TF_CONFIG", None)
+    base["PYTHONUNBUFFERED"] = "1"
+    base[jobdir.ENV_VAR] = job_dir
+    if startup_logs:
+        base["TFDIST_VERBOSE"] = "1"
+    return base
+
+
+def _ports_text(cluster: cluster_lib.Cluster, private: bool) -> str:
+    ports = [cluster.address(t, i).rsplit(":", 1)[1] for t, i in cluster.tasks()]
+    if private:
+        return (f"in a private network namespace (loopback only, unreachable from outside "
+                f"the job) on ports {', '.join(ports)}")
+    return f"on this machine's network, ports {', '.join(ports)}"
+
+
+def _check_private_cluster(cluster: cluster_lib.Cluster) -> None:
+    for task_type, task_id in cluster.tasks():
+        address = cluster.address(task_type, task_id)
+        host, _ = cluster_lib.split_address(address)
+        if host not in ("127.0.0.1", "localhost") and not host.startswith("127."):
+            raise ValueError(
+                f"In the private network namespace only loopback exists, but {task_type}:"
+                f"{task_id} has address {address!r}. Use 127.0.0.1 addresses (local_cluster()), "
+                f"or network='host'.")
+
+
+def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool = False,
+           evaluator: bool = False, max_restarts: int = 0,
+           max_worker_restarts: int | None = None, timeout: float | None = None,
+           progress_timeout: float | None = None, grace_period: float = 5.0,
+           network: isolation.Network = "auto", startup_logs: bool = False,
+           env: Mapping[str, str] | None = None, cluster: cluster_lib.Cluster | None = None,
+           stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
+    """Runs `cmd` once per task of a local cluster and supervises the group.
+
+    Args:
+      cmd: the command every task runs, e.g. ["python", "train.py", "--epochs=3"].
+        A bare `python`/`python3` is this launcher's own interpreter.
+      num_workers: number of 'worker' tasks (>= 1).
+      num_ps: number of parameter servers (needs `chief`).
+      chief: add a 'chief' task (the coordinator for ParameterServerStrategy).
+      evaluator: add an 'evaluator' task.
+      max_restarts: restart the whole group on fresh ports up to this many
+        times after a failure.
+      max_worker_restarts: with parameter servers, restart a failed worker
+        alone up to this many times (default 3); not for jobs without ps.
+      timeout: seconds for the whole job (all attempts); then every task is
+        stopped and the result is 124. None: no limit.
+      progress_timeout: seconds a task may write nothing (stdout or stderr)
+        before it counts as hung: the group is stopped (result 124, restarted
+        under `max_restarts`) with a message naming it. Parameter-server jobs
+        watch the chief only (servers are silent). None: no limit.
+      grace_period: seconds between SIGTERM and SIGKILL when stopping tasks.
+      network: "private" (tasks in a loopback-only network namespace: their
+        servers are unreachable from outside the job), "host" (this machine's
+        network: TensorFlow servers listen on every interface), or "auto"
+        (private where the OS allows it, else host with a warning).
+      startup_logs: keep TensorFlow's C++ start-up lines in the tasks' output.
+      env: the tasks' base environment (default: os.environ); TF_CONFIG is
+        set per task.
+      cluster: run on this cluster instead of fresh local ports (its ports must
+        be free; restarts reuse it).
+      stdout, stderr: where the prefixed output goes (default: sys.stdout/err).
+
+    Returns:
+      A LaunchResult; `returncode` is what `tfdist launch` exits with.
+
+    Raises:
+      ValueError: bad counts or times, a command that cannot run, a taken port.
+      tfdist.launch.isolation.IsolationError: network="private" on a machine
+        that cannot provide it.
+      LaunchError: the system refused to start a task (limits).
+
+    Example:
+      >>> r = launch(["python", "train.py"], num_workers=2)  # doctest: +SKIP
+      >>> r.returncode, r.attempts
+      (0, 1)
+    """
+    check_count("num_workers", num_workers, 1)
+    check_count("num_ps", num_ps, 0)
+    check_count("max_restarts", max_restarts, 0)
+    if max_worker_restarts is not None:
+        check_count("max_worker_restarts", max_worker_restarts, 0)
+        if not num_ps and not (cluster is not None and cluster.ps):
+            raise ValueError(
+                f"max_worker_restarts restarts one worker of a parameter-server job alone; "
+                f"this job has no ps. Received: max_worker_restarts={max_worker_restarts}, "
+                f"num_ps={num_ps}. Use max_restarts to restart the whole group.")
+    check_seconds("timeout", timeout)
+    check_seconds("progress_timeout", progress_timeout)
+    check_seconds("grace_period", grace_period, allow_zero=True, allow_none=False)
+    isolation.check_network(network)
+    if num_ps and not chief:
+        raise ValueError(
+            f"A parameter-server job needs a chief (the coordinator). Received: num_ps={num_ps}, "
+            f"chief=False. Add --chief.")
+    num_tasks = (len(cluster.tasks()) if cluster is not None
+                 else num_workers + num_ps + int(bool(chief)) + int(bool(evaluator)))
+    check_file_limit(num_tasks)
+    prog = program.resolve(cmd, env=env)
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    lock = threading.Lock()
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def say(text: str) -> None:
+        with lock:
+            try:
+                err.write(f"{PREFIX} {text}\n")
+                err.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass
+
+    keeper = isolation.JobKeeper(network=network)
+    job_dir = relay = None
+    try:
+        if keeper.private and cluster is not None:
+            _check_private_cluster(cluster)
+        if keeper.unavailable:
+            say(f"warning: no private network namespace here ({keeper.unavailable}): the "
+                f"tasks' TensorFlow servers listen on all interfaces of this machine and "
+                f"accept any connection. Use it on a trusted network only, or firewall the "
+                f"ports below.")
+        if prog.note:
+            say(f"running {prog.note}")
+        job_dir = jobdir.JobDir()
+        relay = output.Relay(out=out, err=err, lock=lock, startup_logs=startup_logs)
+        base_env = task_env(env, job_dir=job_dir.path, startup_logs=startup_logs)
+        with Signals() as signals:
+            attempt = 0
+            while True:
+                attempt += 1
+                if cluster is None:
+                    this_cluster = cluster_lib.local_cluster(
+                        num_workers=num_workers, num_ps=num_ps, chief=chief,
+                        evaluator=evaluator)
+                else:
+                    if not keeper.private:
+                        cluster_lib.check_local_ports(cluster)  # TFConfigError (a ValueError)
+                    this_cluster = cluster
+                say(f"attempt {attempt}: starting {len(this_cluster.tasks())} tasks "
+                    f"({this_cluster.sizes()}) {_ports_text(this_cluster, keeper.private)}")
+                group = Group(prog.argv, this_cluster, env=base_env, keeper=keeper,
+                              relay=relay, attempt=attempt)
+                rules = policy.JobPolicy(
+                    [t.name for t in group.tasks],
+                    max_worker_restarts=(policy.DEFAULT_WORKER_RESTARTS
+                                         if max_worker_restarts is None else max_worker_restarts))
+                end = _supervise(group, rules, keeper=keeper, signals=signals,
+                                 deadline=deadline, progress_timeout=progress_timeout,
+                                 grace_period=grace_period, say=say)
+                say(end.message)
+                result = LaunchResult(returncode=end.returncode, attempts=attempt,
+                                      failed_task=end.failed_task, message=end.message,
+                                      tasks=group.exits(), cluster=this_cluster)
+                if end.returncode == 0 or not end.restartable or attempt > max_restarts:
+                    if end.returncode and end.restartable and max_restarts:
+                        say(f"giving up after {attempt} attempts (--max_restarts={max_restarts})")
+                    return result
+                say(f"restarting the group with fresh ports (restart {attempt} of "
+                    f"{max_restarts})")
+    finally:
+        keeper.close()
+        if relay is not None:
+            relay.close()
+        if job_dir is not None:
+            job_dir.close()
+
+
+def _supervise(group: Group, rules: policy.JobPolicy, *, keeper: isolation.JobKeeper,
+               signals: Signals, deadline: float | None, progress_timeout: float | None,
+               grace_period: float, say) -> policy.End:
+    """Runs one attempt to its end; the group is stopped when this returns."""
+    while True:
+        if signals.received is not None:
+            name = signal.Signals(signals.received).name
+            group.stop(grace_period=grace_period)
+            return policy.End(128 + signals.received, f"got {name}: stopped every task")
+        if deadline is not None and time.monotonic() > deadline:
+            group.stop(grace_period=grace_period)
+            return policy.End(TIMEOUT_EXIT_CODE, "timed out (--timeout): stopped every task")
+        if not keeper.alive():
+            group.stop(grace_period=grace_period)
+            return policy.End(1, "the job keeper process died, so a SIGKILLed launcher could "
+                                 "leave orphans: stopped every task")
+        for task in group.exited():
+            code = task.proc.returncode
+            tail = group.tail(task) if code else []
+            decision = rules.on_exit(task.name, code, policy.hint(code, tail),
+                                     lost_peer=policy.lost_peer(tail))
+            if isinstance(decision, policy.End):
+                group.stop(grace_period=grace_period)
+                return decision
+            if isinstance(decision, policy.RestartTask):
+                say(decision.message)
+                task.restarts += 1
+                group.start(task)
+            elif isinstance(decision, policy.Note):
+                say(decision.message)
+        if progress_timeout is not None:
+            silent = group.silent(progress_timeout, rules.watched)
+            if silent is not None:
+                group.stop(grace_period=grace_period)
+                return rules.on_silent(silent.name, progress_timeout)
+        time.sleep(_POLL_SECONDS)
