@@ -111,8 +111,7 @@ class CommSync(optimizer_update.GradientSync):
                     synchronization="on_read", aggregation="only_first_replica"))
         # Attributes of the optimizer: tracked (Keras's tracker and TensorFlow's
         # object graph), so saved and restored with it.
-        optimizer._tfdist_powersgd_errors = errors
-        optimizer._tfdist_powersgd_qs = qs
+        collectives.track_on_optimizer(optimizer, powersgd_errors=errors, powersgd_qs=qs)
         keys = [collectives.variable_key(optimizer, v) for v in variables
                 if powersgd.compresses(tuple(v.shape), self.rank)]
         self._state_of[optimizer] = dict(zip(keys, zip(errors, qs)))

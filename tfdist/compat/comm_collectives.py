@@ -108,6 +108,17 @@ def variable_key(optimizer: Any, variable: Any) -> str:
     return optimizer._var_key(variable)
 
 
+def track_on_optimizer(optimizer: Any, **variables: list) -> None:
+    """Makes lists of variables attributes `_tfdist_<name>` of a Keras optimizer.
+
+    Keras's attribute tracker then lists them in `optimizer.variables`, and
+    TensorFlow's object graph reaches them: saved and restored with the
+    optimizer (`model.save`, tf.train.Checkpoint, tfdist.BackupAndRestore).
+    """
+    for name, values in variables.items():
+        setattr(optimizer, f"_tfdist_{name}", list(values))
+
+
 # --- optimizer state ---------------------------------------------------------------
 
 
