@@ -29,10 +29,16 @@ import time
 from experiments.rows import print_rows, write_rows
 from absl import app, flags
 
-flags.DEFINE_bool("quick", False, "Fewer sizes and repeats (a smoke run).")
-flags.DEFINE_string("out", "results/bench_multiworker.json", "Where to write the JSON.")
-flags.DEFINE_enum("role", None, ["allreduce", "scaling"], "Internal: run as a launched worker.")
-flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+def _define_flags() -> None:
+    """Flags of this module as a program (not at import: experiments.benchmark and
+    other bench modules import it, and define flags of the same names)."""
+    flags.DEFINE_bool("quick", False, "Fewer sizes and repeats (a smoke run).")
+    flags.DEFINE_string("out", "results/bench_multiworker.json", "Where to write the JSON.")
+    flags.DEFINE_enum("role", None, ["allreduce", "scaling"], "Internal: run as a launched worker.")
+    flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+
 FLAGS = flags.FLAGS
 
 KB, MB = 1024, 1024 * 1024
@@ -96,8 +102,11 @@ def _scaling_worker(quick: bool, out: str) -> None:
     import numpy as np
 
     import tfdist
+    from experiments.bench_comm import _pin
 
-    tfdist.configure_threads(intra_op=1)
+    task_id = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
+    _pin(task_id)  # one core per worker, as the 1-worker baseline has one
+    tfdist.configure_threads(intra_op=1, inter_op=1)
     tf = tfdist._tf.import_tensorflow()
     import keras
 
@@ -245,9 +254,9 @@ def run(quick: bool) -> list[dict]:
     one, two = rounds[[two["samples_per_sec"] / one["samples_per_sec"]
                        for one, two in rounds].index(speedups[len(speedups) // 2])]
     rows.append(_row("scaling_1worker_samples_per_sec", one["samples_per_sec"], "samples/s",
-                     f"1 worker x 1 thread, batch {PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}"))
+                     f"1 worker x 1 thread (intra 1, inter 1, pinned to one core), batch {PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}"))
     rows.append(_row("scaling_2workers_samples_per_sec", two["samples_per_sec"], "samples/s",
-                     f"2 workers x 1 thread, {PER_WORKER_BATCH} per worker"))
+                     f"2 workers x 1 thread (intra 1, inter 1), each pinned to its own core, {PER_WORKER_BATCH} per worker"))
     comm = alpha + two["gradient_bytes"] * beta
     load = os.getloadavg()[0]
     rows.append(_row("scaling_2workers_vs_1", speedup, "x",
@@ -278,4 +287,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

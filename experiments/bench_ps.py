@@ -179,7 +179,9 @@ def run(quick: bool) -> list[dict]:
             f"{model}, {opt}; 2 cores shared by workers, ps and coordinator")
         row(f"ps_speedup_2v1_{opt}",
             two[f"steps_per_sec_{opt}"] / one[f"steps_per_sec_{opt}"], "x",
-            "2 workers vs 1, same run")
+            "2 workers vs 1, same run; baseline: 1 worker, 1 ps and the coordinator as "
+            "in-process servers in one process, TensorFlow's default threads, the same 2 "
+            "cores (the 2-worker run adds one in-process worker)")
     row("ps_dispatch_overhead_ms", one["dispatch_ms"], "ms/step",
         "1 worker: schedule M trivial tf.function steps, then join(); wall / M (a full "
         "round trip coordinator -> worker -> coordinator per step)",

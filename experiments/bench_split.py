@@ -2,9 +2,11 @@
 
     python -m experiments.bench_split [--quick] [--out results/bench_split.json]
 
-Two worker processes run side by side, measured in interleaved rounds so
-both see the same machine load: the unsplit model with one thread
-(intra-op 1, inter-op 1), and the model split over /cpu:0 and /cpu:1 with
+Three worker processes run side by side, measured in interleaved rounds so
+all see the same machine load: the unsplit model with one thread
+(intra-op 1, inter-op 1), the unsplit model with both cores (intra-op 2,
+inter-op 1: the equal-resources baseline, reported against the pipeline too),
+and the model split over /cpu:0 and /cpu:1 with
 one thread per stage (intra-op 1, inter-op 2) for M = 1, 2, 4, 8
 micro-batches. Each timing is the median train_on_batch time (forward,
 backward, SGD update) over the repeats of all rounds. Rows: speed-up per M
@@ -34,7 +36,7 @@ def _define_flags():
     if "quick" not in _FLAGS:
         flags.DEFINE_bool("quick", False, "Fewer rounds and repeats (smoke run).")
         flags.DEFINE_string("out", None, "Write the rows as JSON here.")
-        flags.DEFINE_enum("worker", None, ["baseline", "split"], "Internal: run one worker.")
+        flags.DEFINE_enum("worker", None, ["baseline", "equal", "split"], "Internal: run one worker.")
         flags.DEFINE_enum("schedule", "free", ["free", "gpipe"], "Pipeline schedule.")
         flags.DEFINE_bool("onednn", True,
                           "Use TensorFlow's default oneDNN kernels; --noonednn runs both workers "
@@ -57,7 +59,10 @@ def _worker(kind: str, schedule: str) -> int:
     import tfdist
     from tfdist.split import Plan
 
-    tfdist.configure_threads(intra_op=1, inter_op=1 if kind == "baseline" else K)
+    # baseline: one thread; equal: the unsplit model with both cores as a user would give
+    # it (intra-op 2); split: one intra-op thread per stage, 2 inter-op threads.
+    threads = {"baseline": (1, 1), "equal": (K, 1), "split": (1, K)}[kind]
+    tfdist.configure_threads(intra_op=threads[0], inter_op=threads[1])
     tfdist.configure_logical_devices(K)
     import numpy as np
     import keras
@@ -79,6 +84,10 @@ def _worker(kind: str, schedule: str) -> int:
             s.compile(keras.optimizers.SGD(1e-4), "mse")
             models[f"cpu_M{mb}"] = s
         models["cpu_unsplit"] = m
+    elif kind == "equal":
+        m = _build_model()
+        m.compile(keras.optimizers.SGD(1e-4), "mse")
+        models["unsplit_intra2"] = m
     else:
         # The unsplit model with the split's threads: how much comes from plain inter-op
         # parallelism (a layer's dX and dW matmuls in the backward are independent).
@@ -180,8 +189,8 @@ def run(quick: bool, schedule: str = "free", onednn: bool = True) -> list[dict]:
     from tfdist.split.plan import bubble_fraction, ideal_speedup
 
     rounds, reps = (2, 3) if quick else (7, 5)
-    procs = {k: _start(k, schedule, onednn) for k in ("baseline", "split")}
-    times: dict[str, dict[int, list[float]]] = {"baseline": {}, "split": {}}
+    procs = {k: _start(k, schedule, onednn) for k in ("baseline", "equal", "split")}
+    times: dict[str, dict[int, list[float]]] = {"baseline": {}, "equal": {}, "split": {}}
     try:
         for proc in procs.values():
             _expect(proc, 600)
@@ -228,6 +237,20 @@ def run(quick: bool, schedule: str = "free", onednn: bool = True) -> list[dict]:
                  "target": None, "ratio": None,
                  "note": "the unsplit model with the split's threads (intra 1, inter 2) vs one "
                          "thread: parallelism inside one step (dX and dW of a layer), no pipeline"})
+    equal = float(np.median(times["equal"]["unsplit_intra2"]))
+    rows.append({"name": "split/unsplit_intra2_speedup", "value": base / equal, "unit": "x",
+                 "target": None, "ratio": None,
+                 "note": f"the unsplit model with both cores (intra 2, inter 1; step "
+                         f"{equal * 1e3:.1f} ms) vs one thread (intra 1, inter 1): the "
+                         "equal-resources baseline for the pipeline rows"})
+    for mb in MICRO_BATCHES:
+        t = float(np.median(times["split"][mb]))
+        rows.append({
+            "name": f"split/speedup_M{mb}_vs_equal_resources", "value": equal / t, "unit": "x",
+            "target": None, "ratio": None,
+            "note": (f"2 stages on /cpu:0,/cpu:1 (intra 1, inter 2: 2 threads), step "
+                     f"{t * 1e3:.1f} ms, vs the unsplit model on 1 device with intra 2, inter 1 "
+                     "(2 threads): the same cores")})
     for mb in MICRO_BATCHES:
         t = float(np.median(times["split"][mb]))
         speedup = base / t
@@ -236,7 +259,8 @@ def run(quick: bool, schedule: str = "free", onednn: bool = True) -> list[dict]:
         rows.append({
             "name": f"split/speedup_M{mb}", "value": speedup, "unit": "x",
             "target": target, "ratio": None if target is None else speedup / target,
-            "note": (f"2 stages on /cpu:0,/cpu:1, intra 1 inter 2, schedule={schedule}; step "
+            "note": (f"2 stages on /cpu:0,/cpu:1, intra 1 inter 2, schedule={schedule}, vs the "
+                     f"unsplit model on 1 device, intra 1 inter 1 (ONE thread); step "
                      f"{t * 1e3:.1f} ms; ideal K*M/(M+K-1)={ideal:.2f}x"
                      + ("; M=1 is the naive split (assembly line, one stage idle)"
                         if mb == 1 else "")),

@@ -4,12 +4,19 @@ Runs tfdist's benchmarks side by side and writes results/benchmark.json,
 results/benchmark.md (row, measured, target, ratio, note) and PNG plots;
 `--docs_dir=docs/performance` copies the table and plots there.
 
-- experiments.bench_presets runs in this process (4 logical CPUs, configured
-  before TensorFlow starts): wrapper overhead, mirrored scaling, FLOP
-  utilisation, the all-reduce cost model against 2 local workers.
-- Every other module in BENCH_MODULES runs `run(quick)` in its own fresh
-  process (its own device layout and collectives, its own absl flags); a
-  module that is not installed is reported as "not available".
+- Every module (experiments.bench_presets first, then BENCH_MODULES) runs
+  `run(quick)` in its own fresh process (its own device layout, threads and
+  collectives, its own absl flags); a module that is not installed is
+  reported as "not available". This process never starts TensorFlow, so
+  multi-process rounds share the machine with no idle runtime of ours; the
+  machine's load average is recorded before and after every module.
+- bench_presets (4 logical CPUs): wrapper overhead, mirrored scaling with and
+  without steps_per_execution, FLOP utilisation, the all-reduce cost model
+  against 2 local workers; its plot data comes back with its rows.
+
+The report of record is one run, alone on the machine:
+
+    python -m experiments.benchmark --docs_dir=docs/performance
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +35,8 @@ import time
 from absl import app, flags
 
 # Other issues' benchmark modules (experiments/bench_<topic>.py with run(quick) -> rows).
-BENCH_MODULES = ("bench_multiworker", "bench_ps", "bench_split")
+BENCH_MODULES = ("bench_multiworker", "bench_comm", "bench_allreduce", "bench_ps",
+                 "bench_split", "bench_sharding")
 ROW_KEYS = ("name", "value", "unit", "target", "ratio", "note")
 
 _QUICK = flags.DEFINE_bool("quick", False, "CI smoke run: fewer, shorter rounds (~1-2 min).")
@@ -43,7 +52,11 @@ _CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
 from experiments import {name} as module
-rows = module.run({quick})
+if {name!r} == "bench_presets":
+    rows, details = module.measure({quick})
+    rows = [dict(row, details=details) if i == 0 else row for i, row in enumerate(rows)]
+else:
+    rows = module.run({quick})
 with open({out!r}, "w") as f:
     json.dump(rows, f)
 """
@@ -60,16 +73,21 @@ def machine_description() -> dict:
                     break
     except OSError:
         pass
-    from tfdist._tf import import_tensorflow
+    from importlib import metadata
 
-    tf = import_tensorflow()
-    import keras
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
 
+    # Versions from the installed packages: this process never starts TensorFlow.
+    gpus = len([d for d in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", d)]) \
+        if os.path.isdir("/dev") else 0
     return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
             "system": f"{platform.system()} {platform.release()}",
-            "python": platform.python_version(), "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-            "gpus": len(tf.config.list_physical_devices("GPU"))}
+            "python": platform.python_version(), "tensorflow": version("tensorflow"),
+            "keras": version("keras"), "gpus": gpus}
 
 
 def check_row(row: dict, source: str) -> dict:
@@ -81,6 +99,8 @@ def check_row(row: dict, source: str) -> dict:
         raise ValueError(f"{source}: row {row['name']!r} value must be a number. "
                          f"Received: value={row['value']!r}")
     checked = {**{k: row[k] for k in ROW_KEYS}, "source": source}
+    if isinstance(row.get("details"), dict):  # bench_presets' plot data
+        checked["details"] = row["details"]
     if isinstance(row.get("points"), list):  # raw (bytes, seconds) all-reduce points
         checked["points"] = row["points"]
     return checked
@@ -169,8 +189,11 @@ def markdown(report: dict) -> str:
     for row in report["rows"]:
         lines.append(f"| {row['name']} | {_fmt(row['value'])} {row['unit']} | "
                      f"{_fmt(row['target'])} | {_fmt(row['ratio'])} | {row['note']} |")
-    lines += ["", "| module | status |", "|---|---|"]
-    lines += [f"| {name} | {status} |" for name, status in report["modules"].items()]
+    loads = report.get("load_average", {})
+    lines += ["", "| module | status | load average before -> after |", "|---|---|---|"]
+    lines += [f"| {name} | {status} | " + (
+        f"{loads[name]['before']:.1f} -> {loads[name]['after']:.1f}" if name in loads else "-")
+        + " |" for name, status in report["modules"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -228,15 +251,14 @@ def main(argv):
     quick = _QUICK.value
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
-    from experiments import bench_presets
-
-    bench_presets.configure()  # 4 logical CPUs, before TensorFlow starts
-    rows, details = bench_presets.measure(quick)
-    rows = [check_row(row, "bench_presets") for row in rows]
-    modules = {"bench_presets": "ok"}
+    rows, details, modules, loads = [], {}, {}, {}
     timeout = _MODULE_TIMEOUT.value or (300.0 if quick else 1800.0)
-    for name in _MODULES.value:
+    for name in ["bench_presets"] + [m for m in _MODULES.value if m != "bench_presets"]:
+        before = os.getloadavg()[0]
         status, module_rows = run_module(name, quick=quick, timeout=timeout, root=root)
+        loads[name] = (before, os.getloadavg()[0])
+        for row in module_rows:
+            details.update(row.pop("details", None) or {})
         modules[name] = status
         rows += module_rows
         print(f"benchmark: {name}: {status}", flush=True)
@@ -245,11 +267,13 @@ def main(argv):
     report = {
         "command": "python -m experiments.benchmark" + (" --quick" if quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "quick": quick, "machine": machine_description(), "modules": modules, "rows": rows,
+        "quick": quick, "machine": machine_description(), "modules": modules,
+        "load_average": {name: {"before": a, "after": b} for name, (a, b) in loads.items()},
+        "rows": rows,
         "details": details,
     }
     os.makedirs(_OUT_DIR.value, exist_ok=True)
-    pngs = plots(details, _OUT_DIR.value)
+    pngs = plots(details, _OUT_DIR.value) if "throughput" in details else []
     report["plots"] = [os.path.basename(p) for p in pngs]
     report["seconds"] = time.perf_counter() - start
     with open(os.path.join(_OUT_DIR.value, "benchmark.json"), "w") as f:

@@ -6,6 +6,7 @@ With no flags: MirroredStrategy over 2 logical CPUs on the scikit-learn digits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from models.datasets import DATASETS
 tfdist_flags.define_flags()
 tfdist_flags.define_training_flags()
 tfdist_flags.define_split_flags()
+tfdist_flags.define_step_flags()
 flags.DEFINE_enum("model", "mlp", list(MODELS), "Example model from models/.")
 flags.DEFINE_enum("dataset", "digits", list(DATASETS),
                   "digits (ships with scikit-learn), synthetic, or mnist (needs network once).")
@@ -78,12 +80,13 @@ def check_inputs(*, learning_rate: float, logical_devices: int | None, model_dir
 def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_size: int,
         epochs: int, steps_per_epoch: int | None, learning_rate: float, seed: int,
         model_dir: str | None = None, verbose: int | str = "auto",
-        split_options=None) -> dict:
+        split_options=None, step_options=None) -> dict:
     """Trains and evaluates one configuration; returns the metrics summary."""
     import keras
     import numpy as np
 
     import tfdist
+    from tfdist import step_options as step_lib
     from models import build_model
     from models.datasets import load_dataset
     from tfdist._tf import import_tensorflow
@@ -97,6 +100,8 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
             f"examples of {dataset_name}): a bigger batch repeats examples within one step. "
             f"Received: global_batch_size={global_batch_size}. Use e.g. --global_batch_size=64.")
     strategy = tfdist.make_strategy(strategy_options)
+    step_options = step_options or tfdist.StepOptions()
+    step_lib.check(step_options, strategy)
     replicas = strategy.num_replicas_in_sync
     per_replica = tfdist.per_replica_batch_size(global_batch_size, replicas)
     steps = steps_per_epoch or max(1, len(data.x_train) // global_batch_size)
@@ -114,7 +119,7 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
             f"--split places layers itself; --strategy={strategy_options.preset} would place "
             "the variables too. Use --strategy=default with --split (replicas x stages: "
             "tfdist.split_model(..., replicas=R)).")
-    with strategy.scope():
+    with strategy.scope(), step_lib.dtype_policy(step_options):
         keras.utils.set_random_seed(seed)
         model = build_model(model_name, data.input_shape, data.num_classes)
         if splitting:
@@ -122,9 +127,9 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
 
             model = split_from_options(model, split_options)
             print(tfdist.placement_report(model, batch_size=global_batch_size), flush=True)
-        model.compile(keras.optimizers.Adam(learning_rate),
+        model.compile(step_lib.optimizer(keras.optimizers.Adam(learning_rate), step_options),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+                      metrics=["accuracy"], **step_lib.compile_arguments(step_options))
     # samples/s, step time and device memory per epoch, into the history and TensorBoard.
     callbacks = [tfdist.ThroughputMonitor(global_batch_size=global_batch_size)]
     if model_dir:
@@ -154,6 +159,8 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
         "test_accuracy": float(test_accuracy),
         "samples_per_sec": float(np.median(steady)),
         "wall_time_s": time.perf_counter() - start,
+        "step_options": dataclasses.asdict(step_options),
+        "gradient_compression": getattr(strategy_options, "gradient_compression", "none"),
         "split": None if not splitting else tfdist.split.describe(model),
     }
 
@@ -174,7 +181,8 @@ def main(argv):
             global_batch_size=FLAGS.global_batch_size, epochs=FLAGS.epochs,
             steps_per_epoch=FLAGS.steps_per_epoch, learning_rate=FLAGS.learning_rate,
             seed=FLAGS.seed, model_dir=FLAGS.model_dir,
-            split_options=tfdist_flags.split_options_from_flags())
+            split_options=tfdist_flags.split_options_from_flags(),
+            step_options=tfdist_flags.step_options_from_flags())
     except (ValueError, RuntimeError, flags.ValidationError) as e:
         # Bad input: the message says what was received and how to fix it.
         raise SystemExit(f"error: {e}") from None

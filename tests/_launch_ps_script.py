@@ -9,7 +9,7 @@ return). The chief trains epochs of plain `model.fit`, printing JSON lines:
 
 `rerun_after_write` counts steps that ran twice because a worker died after
 their first run had written (the parameter-server work's step accounting,
-`tfdist.ps.CoordinatorTrainer`; 0 where that accounting is not available).
+`tfdist.ps.CoordinatorTrainer`).
 
 After its first epoch it keeps training, one epoch at a time, until the file
 DIR/rejoined exists (the test writes it once it has killed worker:1 and seen
@@ -55,14 +55,9 @@ def main(workdir: str) -> None:
     def emit(**event):
         print(json.dumps(event), flush=True)
 
-    try:
-        from tfdist.ps import CoordinatorTrainer
-    except ImportError:
-        CoordinatorTrainer = None
+    from tfdist.ps import CoordinatorTrainer
 
     def reruns_after_write() -> int:
-        if CoordinatorTrainer is None:
-            return 0
         return CoordinatorTrainer.for_model(model).last_report.rerun_after_write
 
     steps, scheduled, epoch, reruns = 20, 0, 0, 0

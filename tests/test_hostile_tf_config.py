@@ -1,20 +1,16 @@
 """The hostile TF_CONFIG corpus (tests/hostile_tf_config.py) through `--check` and every preset.
 
 Every case must end as a clean error or a correct acceptance: no traceback,
-no invalid input accepted quietly, no process lost. One hang is known and
-owned elsewhere (issue 15): a single-task cluster whose own address is another
-host blocks TensorFlow's server start forever (the launcher's join watchdog).
-(A ps/worker task of a cluster without a chief used to serve forever; the
-parameter_server preset now refuses that cluster before serving.)
+no invalid input accepted quietly, no process lost, no hang. (Two hangs are
+gone: a single-task cluster whose own address is another host used to block
+TensorFlow's server start forever, and a ps/worker task of a cluster without
+a chief used to serve forever; the parameter_server preset now refuses that
+cluster before serving.)
 """
 
 import pytest
 
 from tests import hostile_tf_config as corpus_lib
-
-# Owned elsewhere (issue 15): the launcher's join watchdog runs only for >= 2
-# tasks today.
-KNOWN_HANGS = {("multi_worker_mirrored", "single worker, other host")}
 
 
 def test_corpus_is_large_and_labelled_uniquely():
@@ -37,8 +33,6 @@ def test_hostile_tf_configs_get_clean_errors_everywhere():
     problems = []
     for runner, c in counts.items():
         for label, kind, etype, message in c["_bad"]:
-            if kind == "hang" and (runner, label) in KNOWN_HANGS:
-                continue
             problems.append(f"{runner}: {kind}: {label}: {etype} {message}")
     assert not problems, "\n".join(problems)
     # Valid input is accepted by --check and by the cluster presets.

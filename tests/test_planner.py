@@ -449,3 +449,28 @@ def test_sequence_parallel_is_recommended_when_activations_do_not_fit():
     sp = plan.candidate_named("default[sequence_parallel=4]")
     assert sp.memory.activations == math.ceil(need.activations / 4)
     assert "tfdist.split.sequence_parallel(model" in plan.reasons[-1]
+
+
+def test_compression_is_recommended_only_where_the_exchange_dominates_the_step():
+    # 1e8 parameters (400 MB of fp32 gradients) on 4 devices with a 1 GB/s link: the ring
+    # moves 2 x 3/4 x 400 MB = 600 MB per rank (0.6 s), more than the replica's compute.
+    slow = _node(num_devices=4, bandwidth="1GB/s", flops=1e14)
+    plan = tfdist.plan(stats=_stats(1e8, flops=5e11), global_batch_size=64, machine=slow)
+    plain = plan.candidate("mirrored")
+    assert plain.communication_time > plain.compute_time
+    assert plain.step_time < plan.candidate("default").step_time
+    method = dict(plan.recommended_options).get("gradient_compression")
+    assert plan.recommended == "mirrored" and method in ("bf16", "fp16")
+    chosen = plan.recommended_candidate
+    assert chosen.communication_bytes == plain.communication_bytes / 2
+    assert chosen.step_time < plain.step_time
+    assert any(f"gradient_compression={method!r}" in r and "Compress the gradients" in r
+               for r in plan.reasons)
+    # Compute-bound (the same model with 1e11 FLOPs per example): plain all-reduce.
+    plan = tfdist.plan(stats=_stats(1e8, flops=1e11), global_batch_size=64,
+                       machine=_node(num_devices=4, flops=1e14))
+    assert plan.recommended == "mirrored" and plan.recommended_options == ()
+    # No compute estimate (no device peak): the share is unknown, nothing is compressed.
+    plan = tfdist.plan(stats=_stats(1e8), global_batch_size=64,
+                       machine=_node(num_devices=4, bandwidth="1GB/s"))
+    assert plan.recommended == "mirrored" and plan.recommended_options == ()

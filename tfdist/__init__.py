@@ -32,6 +32,7 @@ _EXPORTS = {
     "DefaultOptions": "tfdist.config",
     "OneDeviceOptions": "tfdist.config",
     "MirroredOptions": "tfdist.config",
+    "StepOptions": "tfdist.config",
     "per_replica_batch_size": "tfdist.config",
     # TensorFlow without its C++ start-up lines
     "import_tensorflow": "tfdist._tf",

@@ -183,6 +183,101 @@ def _check_sharding(options: Any) -> None:
         raise ValueError(
             "shard_min_bytes must be an integer >= 0 (0: shard every variable). Received: "
             f"shard_min_bytes={value!r}")
+# --- gradient compression and buckets (tfdist/comm/) -----------------------------------
+
+GradientCompression = Literal["none", "fp16", "bf16", "powersgd"]
+GRADIENT_COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
+DEFAULT_POWERSGD_RANK = 4
+DEFAULT_POWERSGD_WARMUP_STEPS = 100
+
+_COMM_HELP = {
+    "gradient_compression": "mirrored, multi_worker_mirrored: compress gradients before the "
+                            "all-reduce: none; fp16 or bf16 (half the bytes: cast, sum, cast "
+                            "back); powersgd (low-rank P, Q with error feedback, Vogels et al. "
+                            "2019). Sparse (IndexedSlices) gradients are never compressed.",
+    "powersgd_rank": "mirrored, multi_worker_mirrored with --gradient_compression=powersgd: rank "
+                     f"of the approximation (default {DEFAULT_POWERSGD_RANK}); at most the "
+                     "smaller dimension of every weight matrix.",
+    "powersgd_warmup_steps": "mirrored, multi_worker_mirrored with "
+                             "--gradient_compression=powersgd: optimizer steps all-reduced "
+                             f"uncompressed first (default {DEFAULT_POWERSGD_WARMUP_STEPS}).",
+    "bucket_bytes": "mirrored, multi_worker_mirrored: all-reduce gradients in buckets of about "
+                    "this many bytes, last layers first, each launched as soon as its own "
+                    "gradients exist so communication overlaps the backward pass (0: one "
+                    "all-reduce of every gradient, as Keras does).",
+}
+
+# Presets that reduce gradients some other way than TensorFlow's collectives.
+_NOT_COLLECTIVE = {"reduction_to_one_device": "sums on one device",
+                   "hierarchical_copy": "copies between GPUs",
+                   "nccl": "calls NCCL"}
+
+
+def _comm_field(name: str, default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": _COMM_HELP[name]})
+
+
+def _check_comm_options(options: Any, *, reducer: str) -> None:
+    """Validates the gradient compression and bucket options of a synchronous preset.
+
+    Args:
+      options: MirroredOptions or MultiWorkerMirroredOptions.
+      reducer: how that preset reduces ("ring", "auto", "nccl", ...).
+    """
+    compression = options.gradient_compression
+    if compression not in GRADIENT_COMPRESSIONS:
+        raise ValueError(
+            f"gradient_compression must be one of {', '.join(GRADIENT_COMPRESSIONS)}. "
+            f"Received: gradient_compression={compression!r}")
+    powersgd = compression == "powersgd"
+    for name in ("powersgd_rank", "powersgd_warmup_steps"):
+        if getattr(options, name) is not None and not powersgd:
+            raise ValueError(
+                f"{name} only applies with gradient_compression='powersgd'. Received: "
+                f"{name}={getattr(options, name)!r}, gradient_compression={compression!r}. "
+                f"Add gradient_compression='powersgd' or drop {name}.")
+    if powersgd:
+        rank = options.powersgd_rank
+        if rank is not None:
+            _check_positive_int("powersgd_rank", rank)
+        steps = options.powersgd_warmup_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                                  or steps < 0):
+            raise ValueError("powersgd_warmup_steps must be an integer >= 0 (0: compress from "
+                             f"the first step). Received: powersgd_warmup_steps={steps!r}")
+    bucket = options.bucket_bytes
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+        raise ValueError("bucket_bytes must be an integer >= 0 (0: one all-reduce). Received: "
+                         f"bucket_bytes={bucket!r}")
+    if compression == "none" and not bucket:
+        return
+    what = (f"gradient_compression={compression!r}" if compression != "none"
+            else f"bucket_bytes={bucket}")
+    if reducer in _NOT_COLLECTIVE:
+        raise ValueError(
+            f"{what} runs on TensorFlow's collective all-reduce, and "
+            f"{'cross_device_ops' if options.preset == 'mirrored' else 'communication'}="
+            f"{reducer!r} {_NOT_COLLECTIVE[reducer]} instead. Use "
+            f"{'cross_device_ops' if options.preset == 'mirrored' else 'communication'}='ring' "
+            "(or 'auto' on CPUs), or drop gradient_compression and bucket_bytes.")
+    shard = getattr(options, "shard", "none")
+    if shard != "none":
+        # Sharding reduce-scatters the gradients in its own GradientSync.
+        raise ValueError(
+            f"{what} cannot be combined with shard={shard!r}: sharding reduce-scatters the "
+            "gradients itself and does not compress them. Use one of the two: drop "
+            "gradient_compression/bucket_bytes, or shard='none'.")
+
+
+def powersgd_rank_of(options: Any) -> int:
+    """The PowerSGD rank of validated options (the default when unset)."""
+    return options.powersgd_rank or DEFAULT_POWERSGD_RANK
+
+
+def powersgd_warmup_of(options: Any) -> int:
+    """The PowerSGD warm-up steps of validated options (the default when unset)."""
+    steps = options.powersgd_warmup_steps
+    return DEFAULT_POWERSGD_WARMUP_STEPS if steps is None else steps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,6 +303,12 @@ class MirroredOptions(PresetOptions):
       offload: "optimizer" keeps the optimizer state and its update on the
         host CPU (needs `shard`); "none".
       shard_min_bytes: variables smaller than this stay replicated.
+      gradient_compression: "none", "fp16", "bf16" or "powersgd": what the
+        all-reduce sends (tfdist.comm; docs/performance.md says when each helps).
+      powersgd_rank: PowerSGD's rank (default 4).
+      powersgd_warmup_steps: optimizer steps sent uncompressed first (default 100).
+      bucket_bytes: all-reduce in buckets of at most this many bytes, last
+        layers first (0: one all-reduce).
     """
 
     preset: ClassVar[str] = "mirrored"
@@ -230,6 +331,10 @@ class MirroredOptions(PresetOptions):
                                          metadata={"help": _SHARD_HELP["offload"]})
     shard_min_bytes: int = dataclasses.field(default=DEFAULT_SHARD_MIN_BYTES, metadata={
         "help": _SHARD_HELP["shard_min_bytes"]})
+    gradient_compression: GradientCompression = _comm_field("gradient_compression", "none")
+    powersgd_rank: int | None = _comm_field("powersgd_rank", None)
+    powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
+    bucket_bytes: int = _comm_field("bucket_bytes", 0)
 
     def __post_init__(self):
         _check_bool("sync_batch_norm", self.sync_batch_norm)
@@ -262,6 +367,7 @@ class MirroredOptions(PresetOptions):
                 f"Received: cross_device_ops={self.cross_device_ops!r}"
             )
         _check_sharding(self)
+        _check_comm_options(self, reducer=self.cross_device_ops)
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -324,6 +430,8 @@ class MultiWorkerMirroredOptions(PresetOptions):
         over the global batch of all workers.
       shard, offload, shard_min_bytes: as for `MirroredOptions` (sharding is
         over every replica of every worker).
+      gradient_compression, powersgd_rank, powersgd_warmup_steps, bucket_bytes:
+        as for MirroredOptions.
     """
 
     preset: ClassVar[str] = "multi_worker_mirrored"
@@ -348,6 +456,10 @@ class MultiWorkerMirroredOptions(PresetOptions):
                                          metadata={"help": _SHARD_HELP["offload"]})
     shard_min_bytes: int = dataclasses.field(default=DEFAULT_SHARD_MIN_BYTES, metadata={
         "help": _SHARD_HELP["shard_min_bytes"]})
+    gradient_compression: GradientCompression = _comm_field("gradient_compression", "none")
+    powersgd_rank: int | None = _comm_field("powersgd_rank", None)
+    powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
+    bucket_bytes: int = _comm_field("bucket_bytes", 0)
 
     def __post_init__(self):
         _check_bool("sync_batch_norm", self.sync_batch_norm)
@@ -365,6 +477,13 @@ class MultiWorkerMirroredOptions(PresetOptions):
         _check_seconds("collective_timeout", self.collective_timeout, allow_none=True)
         _check_seconds("join_timeout", self.join_timeout, allow_none=False)
         _check_sharding(self)
+        _check_comm_options(self, reducer=self.communication)
+        if self.bucket_bytes and self.bytes_per_pack:
+            raise ValueError(
+                "Pass either bucket_bytes (tfdist's buckets, launched as their gradients "
+                "exist; works with gradient_compression) or bytes_per_pack (TensorFlow's "
+                f"packs inside one all-reduce), not both. Received: bucket_bytes="
+                f"{self.bucket_bytes}, bytes_per_pack={self.bytes_per_pack}.")
 
 
 # --- parameter_server ----------------------------------------------------------
@@ -556,6 +675,57 @@ class SplitOptions:
     @property
     def enabled(self) -> bool:
         return self.split != "none" or self.sequence_parallel > 1
+
+
+# --- per-step knobs, independent of the preset (tfdist/step_options.py) -----------------
+
+MixedPrecision = Literal["none", "mixed_float16", "mixed_bfloat16"]
+MIXED_PRECISIONS: tuple[str, ...] = ("none", "mixed_float16", "mixed_bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """How each training step runs, under any preset (flags --mixed_precision, ...).
+
+    Attributes:
+      mixed_precision: "none" (float32), "mixed_float16" (float16 compute,
+        float32 variables, dynamic loss scaling) or "mixed_bfloat16".
+      loss_scale: initial dynamic loss scale for mixed_float16 (default:
+        Keras's 2**15).
+      steps_per_execution: training steps per call of the compiled function.
+      jit_compile: compile the training step with XLA.
+    """
+
+    mixed_precision: MixedPrecision = dataclasses.field(default="none", metadata={
+        "help": "Keras dtype policy for the model: none (float32), mixed_float16 (with dynamic "
+                "loss scaling) or mixed_bfloat16."})
+    loss_scale: float | None = dataclasses.field(default=None, metadata={
+        "help": "--mixed_precision=mixed_float16: initial dynamic loss scale (default 32768)."})
+    steps_per_execution: int = dataclasses.field(default=1, metadata={
+        "help": "Training steps per call of the compiled training function."})
+    jit_compile: bool = dataclasses.field(default=False, metadata={
+        "help": "Compile the training step with XLA."})
+
+    def __post_init__(self):
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(
+                f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}. Received: "
+                f"mixed_precision={self.mixed_precision!r}")
+        if self.loss_scale is not None:
+            if self.mixed_precision != "mixed_float16":
+                raise ValueError(
+                    "loss_scale only applies with mixed_precision='mixed_float16' (bfloat16 "
+                    f"and float32 need no loss scaling). Received: loss_scale={self.loss_scale!r}"
+                    f", mixed_precision={self.mixed_precision!r}.")
+            if (isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float))
+                    or not self.loss_scale > 0 or self.loss_scale != self.loss_scale
+                    or self.loss_scale == float("inf")):
+                raise ValueError("loss_scale must be a finite number > 0, e.g. 32768. Received: "
+                                 f"loss_scale={self.loss_scale!r}")
+        _check_positive_int("steps_per_execution", self.steps_per_execution)
+        if not isinstance(self.jit_compile, bool):
+            raise ValueError(f"jit_compile must be True or False. Received: "
+                             f"jit_compile={self.jit_compile!r}")
 
 
 # --- auto (cost model / planner) ---------------------------------------------------

@@ -849,3 +849,47 @@ def micro_batches_for_bubble(stages: int, max_bubble: float) -> int:
     if stages == 1:
         return 1
     return max(1, math.ceil((stages - 1) * (1 - max_bubble) / max_bubble - 1e-9))
+
+
+# --- gradient compression (tfdist.comm) ---------------------------------------------------
+# Added for issue 14 (the comm helper): the bytes each method puts into the all-reduces,
+# and the alpha-beta time of those all-reduces.
+
+COMPRESSED_BYTES_PER_NUMBER = {"none": 4, "fp16": 2, "bf16": 2, "powersgd": 4}
+
+
+def compressed_gradient_bytes(shapes: Sequence[Sequence[int]], *, compression: str = "none",
+                              rank: int = 4) -> int:
+    """Bytes one replica contributes to the all-reduces per step (float32 gradients).
+
+    none: every gradient (4 bytes a number); fp16/bf16: 2 bytes a number;
+    powersgd: (n + m) * rank numbers for each weight matrix it compresses
+    (`tfdist.comm.powersgd.compresses`), the others whole.
+    """
+    from tfdist.comm import powersgd
+
+    if compression not in COMPRESSED_BYTES_PER_NUMBER:
+        raise ValueError(f"compression must be one of {', '.join(COMPRESSED_BYTES_PER_NUMBER)}. "
+                         f"Received: compression={compression!r}")
+    per_number = COMPRESSED_BYTES_PER_NUMBER[compression]
+    if compression != "powersgd":
+        return per_number * sum(math.prod(int(d) for d in s) for s in shapes)
+    return per_number * sum(powersgd.wire_numbers(s, rank) for s in shapes)
+
+
+def compressed_allreduce_time(shapes: Sequence[Sequence[int]], num_replicas: int, link: Link,
+                              *, compression: str = "none", rank: int = 4) -> float:
+    """alpha-beta time of one step's gradient exchange with `compression`.
+
+    One ring all-reduce of the compressed bytes; PowerSGD runs two rounds
+    (P with the uncompressed gradients, then Q), so pays the latency twice.
+    """
+    from tfdist.comm import powersgd
+
+    total = compressed_gradient_bytes(shapes, compression=compression, rank=rank)
+    rounds = 2 if compression == "powersgd" and any(
+        powersgd.compresses(s, rank) for s in shapes) else 1
+    if num_replicas < 2:
+        return 0.0
+    return (rounds - 1) * 2 * (num_replicas - 1) * link.latency + ring_allreduce_time(
+        total, num_replicas, link)

@@ -204,3 +204,42 @@ def split_options_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_li
             for f in dataclasses.fields(config_lib.SplitOptions)})
     except ValueError as e:
         raise flags.ValidationError(str(e)) from None
+
+
+# --- per-step knobs (mixed precision, steps_per_execution, XLA) ------------------------------
+def define_step_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """Defines --mixed_precision, --loss_scale, --steps_per_execution, --jit_compile.
+
+    Generated from `tfdist.StepOptions`; safe to call twice.
+    """
+    hints = typing.get_type_hints(config_lib.StepOptions)
+    for field in dataclasses.fields(config_lib.StepOptions):
+        if field.name in flag_values:
+            continue
+        tp = _unwrap_optional(hints[field.name])
+        help_text = field.metadata["help"]
+        if get_origin(tp) is Literal:
+            flags.DEFINE_enum(field.name, field.default, [str(a) for a in get_args(tp)],
+                              help_text, flag_values=flag_values)
+        elif tp is bool:
+            flags.DEFINE_bool(field.name, field.default, help_text, flag_values=flag_values)
+        elif tp is int:
+            flags.DEFINE_integer(field.name, field.default, help_text, flag_values=flag_values)
+        elif tp is float:
+            flags.DEFINE_float(field.name, field.default, help_text, flag_values=flag_values)
+        else:
+            raise TypeError(f"No flag type for StepOptions.{field.name}: {tp!r}")
+
+
+def step_options_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.StepOptions:
+    """StepOptions from the step flags.
+
+    Raises:
+      flags.ValidationError: an invalid value or combination, with the fix.
+    """
+    try:
+        return config_lib.StepOptions(**{
+            f.name: flag_values[f.name].value
+            for f in dataclasses.fields(config_lib.StepOptions)})
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None

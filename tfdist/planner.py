@@ -556,6 +556,19 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
         best = _choose(sync)
         recommended = best.preset
         reasons.append(_why(best, cluster, sync))
+        compressed = _faster_compression(best, variants)
+        if compressed is not None:
+            recommended_options = compressed.options
+            method = dict(compressed.options)["gradient_compression"]
+            reasons.append(
+                f"Compress the gradients: the all-reduce takes "
+                f"{best.communication_time / best.step_time:.0%} of {best.preset}'s estimated "
+                f"step; with gradient_compression={method!r} it moves "
+                f"{cost.format_bytes(compressed.communication_bytes)} instead of "
+                f"{cost.format_bytes(best.communication_bytes)} per step (estimated step "
+                f"{cost.format_seconds(compressed.step_time)} vs "
+                f"{cost.format_seconds(best.step_time)}). Apply it with "
+                f"tfdist.make_strategy({best.preset!r}, gradient_compression={method!r}).")
         if best.preset == "multi_worker_mirrored":
             ps_candidate = next((c for c in candidates if c.preset == "parameter_server"), None)
             if ps_candidate is not None and ps_candidate.fits:
@@ -656,6 +669,26 @@ def _find_split(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
                 bubble=cost.pipeline_bubble(stages=stages, micro_batches=micro),
                 ideal_speedup=cost.pipeline_speedup(stages=stages, micro_batches=micro))
     return None
+
+
+def _faster_compression(best: Candidate, variants: list[Candidate]) -> Candidate | None:
+    """A gradient-compression variant of `best` predicted faster, where the exchange matters.
+
+    Only with a compute estimate (a device peak): without one the share of the step
+    spent in the all-reduce is unknown, and compression is not free (rounding).
+    """
+    from tfdist.comm.planning import MIN_COMM_SHARE
+
+    if best.step_time is None or not best.step_time or best.num_replicas < 2:
+        return None
+    if best.communication_time / best.step_time < MIN_COMM_SHARE:
+        return None
+    compressed = [c for c in variants
+                  if c.preset == best.preset and c.num_replicas == best.num_replicas
+                  and {k for k, _ in c.options} == {"gradient_compression"}
+                  and c.registered
+                  and c.step_time is not None and c.step_time < best.step_time]
+    return min(compressed, key=lambda c: c.step_time, default=None)
 
 
 def _choose(fitting: list[Candidate]) -> Candidate:

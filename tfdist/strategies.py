@@ -139,6 +139,16 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
             from tfdist import sharding
 
             sharding.attach(strategy, opts)
+        from tfdist.compat import keras_multi_step
+
+        keras_multi_step.install()  # steps_per_execution > 1 with several replicas
+        from tfdist.compat import loss_scale
+
+        loss_scale.install()  # mixed_float16: skip a step when any replica overflows
+        from tfdist import comm
+
+        if comm.wants_sync(opts):
+            comm.attach(strategy, opts)  # gradient compression / buckets (tfdist.comm)
     logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
     return strategy
 

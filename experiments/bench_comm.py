@@ -1,0 +1,323 @@
+"""Gradient compression, buckets and overlap on 2 local workers: `python -m experiments.bench_comm`.
+
+    python -m experiments.bench_comm [--quick] [--out results/bench_comm.json]
+
+An MLP with ~9 MB of float32 gradients (784-1024-1024-512-10, 2.4 M
+parameters), global batch = 64 per worker, Adam:
+
+1. Scaling, 2 workers x 1 thread vs 1 worker x 1 thread (same per-worker
+   batch), for gradient_compression none, fp16, bf16, powersgd (rank 4, no
+   warm-up), and none and fp16 with buckets (bucket_bytes 1 MB): samples/s ratio per
+   round, median over interleaved rounds (every configuration once per round,
+   rotated). Targets: powersgd >= 1.6x, fp16 >= 1.3x (with and without buckets).
+2. Bytes on the wire per step, measured on worker 0's TCP sockets (`ss -ti`
+   bytes_sent over the timed steps), next to the alpha-beta prediction
+   (`tfdist.cost.compressed_gradient_bytes`; a 2-worker ring sends K per
+   rank) and the alpha-beta time with the link calibrated in the same run.
+3. Overlap: for each configuration the same workers also time the step with
+   communication removed (a GradientSync that keeps each worker's gradients)
+   and the gradient exchange alone; hidden = (compute + comm - step) / comm.
+
+The parent process never imports TensorFlow: every worker is a process
+started by tfdist's launcher, pinned to one core (sched_setaffinity) with
+one intra-op and one inter-op thread; the load average is recorded around
+every round.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+from experiments.rows import print_rows, write_rows
+
+
+def _define_flags() -> None:
+    """Flags of this module as a program (not at import: experiments.benchmark and
+    other bench modules import it, and define flags of the same names)."""
+    flags.DEFINE_bool("quick", False, "One short round (a smoke run).")
+    flags.DEFINE_string("out", "results/bench_comm.json", "Where to write the JSON.")
+    flags.DEFINE_string("role", None, "Internal: run as a launched worker with this JSON config.")
+    flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+
+FLAGS = flags.FLAGS
+
+WIDTHS = (784, 1024, 1024, 512, 10)
+PER_WORKER_BATCH = 64
+# 1 MB pieces: over gRPC they move several times faster than one large tensor
+# (experiments/bench_allreduce.py), and a bucket can start before the backward pass ends.
+BUCKET_BYTES = 1024 * 1024
+POWERSGD_RANK = 4
+CONFIGS = {  # name -> preset options of the 2-worker run
+    "none": {},
+    "none+buckets": {"bucket_bytes": BUCKET_BYTES},
+    "fp16": {"gradient_compression": "fp16"},
+    "fp16+buckets": {"gradient_compression": "fp16", "bucket_bytes": BUCKET_BYTES},
+    "bf16": {"gradient_compression": "bf16"},
+    "powersgd": {"gradient_compression": "powersgd", "powersgd_rank": POWERSGD_RANK,
+                 "powersgd_warmup_steps": 0},
+}
+TARGETS = {"powersgd": 1.6, "fp16": 1.3, "fp16+buckets": 1.3}
+
+
+def shapes() -> list[tuple[int, ...]]:
+    """The MLP's trainable variable shapes (kernels and biases)."""
+    out = []
+    for a, b in zip(WIDTHS[:-1], WIDTHS[1:]):
+        out += [(a, b), (b,)]
+    return out
+
+
+# --- worker side ------------------------------------------------------------------------
+
+
+def _pin(task_id: int) -> str:
+    """Pins this process to one core (task k on core k mod cores); returns which."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[task_id % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return f"core {core}"
+
+
+def _tcp_bytes_sent(pid: int) -> int:
+    """Bytes this process's TCP sockets have sent (ss -tinp: bytes_sent), 0 if unknown."""
+    try:
+        text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True,
+                              timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    total, mine = 0, False
+    for line in text.splitlines():
+        if not line.startswith((" ", "\t")):
+            mine = f"pid={pid}," in line
+            continue
+        if mine:
+            found = re.search(r"bytes_sent:(\d+)", line)
+            total += int(found.group(1)) if found else 0
+    return total
+
+
+def _worker(config: dict, out: str) -> None:
+    import numpy as np
+
+    import tfdist
+    from tfdist._tf import import_tensorflow
+    from tfdist.compat import optimizer_update
+
+    task_id = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
+    pinned = _pin(task_id)
+    tfdist.configure_threads(intra_op=1, inter_op=1)
+    tf = import_tensorflow()
+    import keras
+
+    strategy = tfdist.make_strategy("multi_worker_mirrored", **config["options"])
+    workers = strategy.num_replicas_in_sync
+    batch = PER_WORKER_BATCH * workers
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch * 4, WIDTHS[0])).astype("float32")
+    y = rng.integers(0, WIDTHS[-1], size=batch * 4).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((WIDTHS[0],))] + [
+            keras.layers.Dense(w, activation="relu") for w in WIDTHS[1:-1]] + [
+            keras.layers.Dense(WIDTHS[-1])])
+        model.compile(keras.optimizers.Adam(1e-4),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.ends = []
+
+        def on_train_batch_end(self, batch_index, logs=None):
+            self.ends.append(time.perf_counter())
+
+    def time_steps(steps: int) -> float:
+        clock = Clock()
+        model.fit(ds, epochs=1, steps_per_epoch=steps + 1, verbose=0, callbacks=[clock])
+        return (clock.ends[-1] - clock.ends[0]) / steps
+
+    steps = config["steps"]
+    model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace, warm up
+    sent_before = _tcp_bytes_sent(os.getpid())
+    step = time_steps(steps)
+    sent = (_tcp_bytes_sent(os.getpid()) - sent_before) / (steps + 1)
+    result = {"workers": workers, "step_seconds": step, "samples_per_sec": batch / step,
+              "wire_bytes_per_step": sent, "pinned": pinned,
+              "gradient_bytes": 4 * model.count_params()}
+    if workers > 1 and config.get("overlap"):
+        sync = optimizer_update.gradient_sync(strategy)
+
+        class KeepLocal(optimizer_update.GradientSync):
+            """No communication: each worker applies its own gradients (timing only)."""
+
+            def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
+                return list(grads_and_vars)
+
+        optimizer_update.set_gradient_sync(strategy, KeepLocal())
+        model.make_train_function(force=True)
+        model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+        result["compute_seconds"] = time_steps(steps)
+        optimizer_update.set_gradient_sync(strategy, sync)
+        variables = [v.value for v in model.trainable_variables]
+
+        def keras_all_reduce(grads_and_vars):
+            # What Keras's optimizer does (one all-reduce of every gradient), in public API.
+            grads = [g for g, _ in grads_and_vars]
+            summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+            return list(zip(summed, [v for _, v in grads_and_vars]))
+
+        @tf.function
+        def exchange():
+            def replica_fn():
+                pairs = [(tf.ones_like(v) * 1e-3, v) for v in variables]
+                reduced = sync.reduce(model.optimizer, pairs, keras_all_reduce)
+                return tf.add_n([tf.reduce_sum(g) for g, _ in reduced])
+
+            return strategy.run(replica_fn)
+
+        exchange()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            strategy.experimental_local_results(exchange())[0].numpy()
+            times.append(time.perf_counter() - start)
+        result["comm_seconds"] = statistics.median(times)
+    if tfdist.is_chief():
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+# --- parent side (no TensorFlow) ---------------------------------------------------------
+
+
+def _launch(num_workers: int, options: dict, steps: int, overlap: bool) -> dict:
+    from tfdist import launch as launch_lib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        config = json.dumps({"options": options, "steps": steps, "overlap": overlap})
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        log = io.StringIO()
+        result = launch_lib.launch(
+            [sys.executable, "-m", "experiments.bench_comm", f"--role={config}",
+             f"--worker_out={out}"], num_workers=num_workers, timeout=900, env=env,
+            stdout=log, stderr=log)
+        if result.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join(log.getvalue().splitlines()[-20:])
+            raise RuntimeError(f"bench_comm workers failed: {result.message}\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _row(name, value, unit, note="", target=None):
+    return {"name": name, "value": float(value), "unit": unit, "target": target,
+            "ratio": (float(value) / target) if target else None, "note": note}
+
+
+def _link_from_report() -> "object | None":
+    """The alpha-beta link of the last all-reduce calibration, if one was written."""
+    from tfdist import cost
+
+    for path in ("results/bench_multiworker.json", "results/benchmark.json"):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for row in data.get("rows", []):
+            if row.get("name") == "allreduce_points" and row.get("points"):
+                points = [(p["bytes"], p["seconds"]) for p in row["points"]]
+                return cost.fit_alpha_beta(points, 2)
+    return None
+
+
+def run(quick: bool) -> list[dict]:
+    """The rows (see the module docstring)."""
+    from tfdist import cost
+
+    steps = 4 if quick else 12
+    rounds = 1 if quick else 3
+    names = list(CONFIGS)
+    samples: dict[str, list[float]] = {"1 worker": []}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    loads = [os.getloadavg()[0]]
+    for r in range(rounds):
+        one = _launch(1, {}, steps, overlap=False)
+        samples["1 worker"].append(one["samples_per_sec"])
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            two = _launch(2, CONFIGS[name], steps, overlap=True)
+            results[name].append(two)
+            ratios[name].append(two["samples_per_sec"] / one["samples_per_sec"])
+        loads.append(os.getloadavg()[0])
+    load = (f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores "
+            f"(others' jobs included)")
+    base = (f"baseline 1 worker x 1 thread (intra 1, inter 1, pinned to one core), batch "
+            f"{PER_WORKER_BATCH}, median {statistics.median(samples['1 worker']):,.0f} "
+            "samples/s")
+    rows = []
+    link = _link_from_report()
+    for name in names:
+        ratio = statistics.median(ratios[name])
+        mid = sorted(results[name], key=lambda d: d["samples_per_sec"])[len(results[name]) // 2]
+        rows.append(_row(
+            f"comm: 2 workers x 1 thread vs 1 worker, MLP 9 MB gradients, {name}", ratio, "x",
+            f"median of {rounds} interleaved rounds ({', '.join(f'{x:.2f}' for x in ratios[name])}); "
+            f"2 workers x 1 thread, each pinned to its own core, {PER_WORKER_BATCH} per worker; "
+            f"{base}; {load}", target=TARGETS.get(name)))
+        options = CONFIGS[name]
+        method = options.get("gradient_compression", "none")
+        predicted = cost.compressed_gradient_bytes(shapes(), compression=method,
+                                                   rank=POWERSGD_RANK)
+        time_note = ""
+        if link is not None:
+            t = cost.compressed_allreduce_time(shapes(), 2, link, compression=method,
+                                               rank=POWERSGD_RANK)
+            time_note = (f"; alpha-beta time {cost.format_seconds(t)} (link from the last "
+                         f"all-reduce calibration: {link.bandwidth / 1e9:.2f} GB/s)")
+        rows.append(_row(
+            f"comm: bytes on the wire per step, worker 0, {name}",
+            statistics.median(d["wire_bytes_per_step"] for d in results[name]) / 1e6, "MB",
+            f"measured: TCP bytes_sent of worker 0 (ss -ti) over the timed steps, heartbeats "
+            f"included; alpha-beta prediction {predicted / 1e6:.2f} MB (2-worker ring: K per "
+            f"rank); measured exchange alone "
+            f"{statistics.median(d['comm_seconds'] for d in results[name]) * 1e3:.1f} ms"
+            f"{time_note}"))
+        step = mid["step_seconds"]
+        compute, comm = mid["compute_seconds"], mid["comm_seconds"]
+        hidden = max(0.0, min(1.0, (compute + comm - step) / comm)) if comm > 0 else 0.0
+        rows.append(_row(
+            f"comm: share of the exchange hidden behind compute, {name}", hidden, "fraction",
+            f"(compute + comm - step) / comm with step {step * 1e3:.1f} ms, compute-only "
+            f"{compute * 1e3:.1f} ms (no exchange), exchange alone {comm * 1e3:.1f} ms; "
+            f"2 workers x 1 thread; median round"))
+    return rows
+
+
+def main(argv):
+    del argv
+    if FLAGS.role:
+        return _worker(json.loads(FLAGS.role), FLAGS.worker_out)
+    rows = run(FLAGS.quick)
+    print_rows(rows)
+    if FLAGS.out:
+        write_rows(FLAGS.out, rows, quick=FLAGS.quick,
+                   command="python -m experiments.bench_comm" + (" --quick" if FLAGS.quick else ""))
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)

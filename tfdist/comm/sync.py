@@ -1,0 +1,285 @@
+"""`CommSync`: the GradientSync that compresses gradients and all-reduces them in buckets.
+
+It runs inside Keras's optimizer update (tfdist.compat.optimizer_update), in
+each replica, in place of Keras's single all-reduce:
+
+- sparse gradients (`tf.IndexedSlices`, e.g. from `Embedding`) go through
+  Keras's own all-reduce and have their duplicate indices summed, exactly as
+  without compression (they are not compressed: only the rows a batch
+  touched cross the wire already, and casting or factorising the gathered
+  rows would buy little for the error it adds);
+- dense gradients are grouped into buckets of about `bucket_bytes`, last
+  layers first (the order the backward pass produces them); each bucket is
+  one collective whose only inputs are its own gradients, so it can start
+  while the backward pass is still computing earlier layers (TensorFlow's
+  executor runs an op as soon as its inputs exist);
+- "fp16"/"bf16": each gradient is cast to half precision before the
+  all-reduce and back after (the sum is taken in half precision too, as in
+  Horovod's `Compression.fp16`);
+- "powersgd": see `tfdist.comm.powersgd`. For `warmup_steps` optimizer
+  steps the gradients are all-reduced whole; the switch is a `tf.cond` on
+  the optimizer's step counter, which the merge-free collectives of
+  `tfdist.compat.comm_collectives` allow.
+
+Every replica ends with the same reduced gradients (the collectives hand
+every replica the same sum; orthogonalisation is deterministic), so
+replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+from tfdist._tf import import_tensorflow
+from tfdist.comm import powersgd
+from tfdist.compat import comm_collectives as collectives
+from tfdist.compat import optimizer_update
+
+_HALF = {"fp16": "float16", "bf16": "bfloat16"}
+# Seed of PowerSGD's initial Q matrices: the same on every replica and worker.
+_Q_SEED = 20190531
+
+
+class CommSync(optimizer_update.GradientSync):
+    """Gradient compression (none, fp16, bf16, powersgd) and bucketed all-reduce.
+
+    Args:
+      strategy: the strategy (made by tfdist) whose replicas this sync joins.
+      compression: "none", "fp16", "bf16" or "powersgd".
+      rank: PowerSGD rank.
+      warmup_steps: PowerSGD: optimizer steps all-reduced uncompressed first.
+      bucket_bytes: dense gradients per collective, in bytes of the
+        uncompressed gradients (0: one collective for all of them).
+      bytes_per_pack: TensorFlow's packing inside each collective (0: one pack).
+    """
+
+    def __init__(self, *, strategy: Any, compression: str = "none", rank: int = 4,
+                 warmup_steps: int = 0, bucket_bytes: int = 0, bytes_per_pack: int = 0):
+        collectives.check_collectives(strategy)
+        self.strategy = strategy
+        self.compression = compression
+        self.rank = rank
+        self.warmup_steps = warmup_steps
+        self.bucket_bytes = bucket_bytes
+        self.bytes_per_pack = bytes_per_pack
+        # optimizer -> {variable key: (error, q)}; weak: an optimizer's state goes with it.
+        self._state_of: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        extra = (f", rank={self.rank}, warmup_steps={self.warmup_steps}"
+                 if self.compression == "powersgd" else "")
+        return (f"CommSync(compression={self.compression!r}{extra}, "
+                f"bucket_bytes={self.bucket_bytes})")
+
+    # -- state ------------------------------------------------------------------------
+
+    def build_state(self, optimizer: Any, variables: list) -> None:
+        """Creates PowerSGD's per-replica error and warm-start Q for `optimizer`.
+
+        Called when Keras builds the optimizer (tfdist.compat.comm_collectives),
+        under the strategy's scope. The variables are attributes of the
+        optimizer, so Keras lists them in `optimizer.variables` and
+        `tfdist.BackupAndRestore` saves them with the optimizer:
+        `<variable>_powersgd_error` (SyncOnRead, SUM: a backup holds the sum
+        over replicas, which is all the training depends on) and
+        `<variable>_powersgd_q` (SyncOnRead, first replica: identical on all).
+
+        Raises:
+          ValueError: the rank exceeds a weight matrix's smaller dimension.
+        """
+        if self.compression != "powersgd":
+            return
+        import keras
+
+        powersgd.check_rank([(v.path, tuple(v.shape)) for v in variables], self.rank)
+        errors, qs = [], []
+        with self.strategy.scope():
+            for index, variable in enumerate(variables):
+                shape = tuple(variable.shape)
+                if not powersgd.compresses(shape, self.rank):
+                    continue
+                n, m = powersgd.matrix_shape(shape)
+                base = variable.path.replace("/", "_")
+                errors.append(keras.Variable(
+                    np.zeros((n, m), "float32"), trainable=False, name=f"{base}_powersgd_error",
+                    synchronization="on_read", aggregation="sum"))
+                qs.append(keras.Variable(
+                    _initial_q(m, self.rank, index), trainable=False, name=f"{base}_powersgd_q",
+                    synchronization="on_read", aggregation="only_first_replica"))
+        # Attributes of the optimizer: tracked (Keras's tracker and TensorFlow's
+        # object graph), so saved and restored with it.
+        collectives.track_on_optimizer(optimizer, powersgd_errors=errors, powersgd_qs=qs)
+        keys = [collectives.variable_key(optimizer, v) for v in variables
+                if powersgd.compresses(tuple(v.shape), self.rank)]
+        self._state_of[optimizer] = dict(zip(keys, zip(errors, qs)))
+
+    def _state(self, optimizer: Any, variable: Any):
+        states = self._state_of.get(optimizer)
+        if states is None:
+            raise ValueError(
+                "gradient_compression='powersgd' keeps its state in the optimizer, created "
+                "when Keras builds it; this optimizer was not built under the tfdist strategy "
+                "that compresses. Create and compile the model (or call "
+                "optimizer.build(model.trainable_variables)) under strategy.scope().")
+        return states.get(collectives.variable_key(optimizer, variable))
+
+    # -- the exchange ----------------------------------------------------------------
+
+    def reduce(self, optimizer: Any, grads_and_vars,
+               keras_all_reduce: Callable) -> list:
+        tf = import_tensorflow()
+        grads_and_vars = list(grads_and_vars)
+        out: list = list(grads_and_vars)
+        sparse = [i for i, (g, _) in enumerate(grads_and_vars)
+                  if isinstance(g, tf.IndexedSlices)]
+        dense = [i for i, (g, _) in enumerate(grads_and_vars)
+                 if g is not None and not isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            reduced = keras_all_reduce([grads_and_vars[i] for i in sparse])
+            for i, (g, v) in zip(sparse, reduced):
+                out[i] = (optimizer_update.sum_duplicate_indices(g), v)
+        if self.compression == "powersgd":
+            # Buckets of whole variables: PowerSGD factorises each matrix.
+            for bucket in _group(list(reversed(dense)),
+                                 lambda i: _nbytes(grads_and_vars[i][0]), self.bucket_bytes):
+                grads = [grads_and_vars[i][0] for i in bucket]
+                variables = [grads_and_vars[i][1] for i in bucket]
+                for i, g in zip(bucket, self._powersgd(optimizer, grads, variables)):
+                    out[i] = (g, grads_and_vars[i][1])
+            return out
+        for i, g in zip(dense, self.sum_dense([grads_and_vars[i][0] for i in dense])):
+            out[i] = (g, grads_and_vars[i][1])
+        return out
+
+    def sum_dense(self, grads: list) -> list:
+        """Sums dense gradients over replicas (cast to half precision for fp16/bf16).
+
+        Without bucket_bytes: one collective. With it: the gradients, last ones
+        first, are cut into pieces of at most bucket_bytes (a large gradient
+        becomes several pieces; small ones share a bucket), and each bucket is
+        its own collective, depending only on its own gradients. Smaller
+        messages also move faster over gRPC than one large one (see
+        experiments/bench_allreduce.py).
+        """
+        tf = import_tensorflow()
+        half = getattr(tf, _HALF[self.compression]) if self.compression in _HALF else None
+        sent = [tf.cast(g, half) if half is not None else g for g in grads]
+        if not self.bucket_bytes:
+            summed = self._all_reduce(sent)
+        else:
+            pieces = []  # (gradient index, piece), last gradients first
+            for index in reversed(range(len(sent))):
+                g = sent[index]
+                count = max(1, -(-_nbytes(grads[index]) // self.bucket_bytes))
+                if count == 1 or not g.shape.is_fully_defined():
+                    pieces.append((index, g))
+                    continue
+                flat = tf.reshape(g, [-1])
+                n = flat.shape[0]
+                sizes = [n // count + (1 if k < n % count else 0) for k in range(count)]
+                pieces += [(index, piece) for piece in tf.split(flat, sizes)]
+            reduced = {}
+            for bucket in _group(list(range(len(pieces))),
+                                 lambda k: _nbytes(pieces[k][1]) * (2 if half is not None else 1),
+                                 self.bucket_bytes):
+                for k, r in zip(bucket, self._all_reduce([pieces[k][1] for k in bucket])):
+                    reduced[k] = r
+            summed = []
+            for index, g in enumerate(sent):
+                parts = [reduced[k] for k, (i, _) in enumerate(pieces) if i == index]
+                # Pieces were cut last-gradient-first but in order within a gradient.
+                summed.append(parts[0] if len(parts) == 1 and parts[0].shape == g.shape
+                              else tf.reshape(tf.concat(parts, 0), tf.shape(g)))
+        if half is None:
+            return summed
+        return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+
+    def _all_reduce(self, tensors: list) -> list:
+        """One collective per dtype among `tensors` (a pack is concatenated)."""
+        dtypes = list(dict.fromkeys(t.dtype for t in tensors))
+        if len(dtypes) <= 1:
+            return collectives.all_reduce_sum(self.strategy, tensors,
+                                              bytes_per_pack=self.bytes_per_pack)
+        out: list = [None] * len(tensors)
+        for dtype in dtypes:
+            indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            summed = collectives.all_reduce_sum(self.strategy, [tensors[i] for i in indices],
+                                                bytes_per_pack=self.bytes_per_pack)
+            for i, t in zip(indices, summed):
+                out[i] = t
+        return out
+
+    def _powersgd(self, optimizer, grads: list, variables: list) -> list:
+        tf = import_tensorflow()
+        states = [self._state(optimizer, v) for v in variables]
+        if not any(states):
+            return self._all_reduce(grads)
+        if not self.warmup_steps:
+            return self._compressed(grads, states)
+        return tf.cond(optimizer.iterations < self.warmup_steps,
+                       lambda: self._all_reduce(grads),
+                       lambda: self._compressed(grads, states))
+
+    def _compressed(self, grads: list, states: list) -> list:
+        tf = import_tensorflow()
+        replicas = float(self.strategy.num_replicas_in_sync)
+        whole = [i for i, s in enumerate(states) if s is None]
+        low = [i for i, s in enumerate(states) if s is not None]
+        # A_i = gradient + this replica's error, as an n x m matrix.
+        matrices = {i: tf.reshape(tf.cast(grads[i], tf.float32), states[i][0].shape)
+                    + states[i][0].value for i in low}
+        # Round 1: P = A Q (with the uncompressed gradients in the same collective).
+        ps = [tf.matmul(matrices[i], states[i][1].value) for i in low]
+        first = self._all_reduce([grads[i] for i in whole] + ps)
+        reduced_whole, ps = first[:len(whole)], first[len(whole):]
+        ps = [tf.linalg.qr(p)[0] for p in ps]
+        # Round 2: Q = A^T P.
+        qs = self._all_reduce([tf.matmul(matrices[i], p, transpose_a=True)
+                               for i, p in zip(low, ps)])
+        out: list = [None] * len(grads)
+        updates = []
+        for i, g in zip(whole, reduced_whole):
+            out[i] = g
+        for i, p, q in zip(low, ps, qs):
+            error, q_state = states[i]
+            approx = tf.matmul(p, q, transpose_b=True)
+            updates.append(error.assign(matrices[i] - approx / replicas))
+            updates.append(q_state.assign(q))
+            out[i] = tf.cast(tf.reshape(approx, tf.shape(grads[i])), grads[i].dtype)
+        with tf.control_dependencies(updates):
+            return [tf.identity(g) for g in out]
+
+
+def _nbytes(tensor: Any) -> int:
+    """Bytes of a tensor of static shape (0 if unknown: it then never starts a new bucket)."""
+    if not tensor.shape.is_fully_defined():
+        return 0
+    return tensor.shape.num_elements() * tensor.dtype.size
+
+
+def _group(items: list, size_of: Callable, limit: int) -> list[list]:
+    """`items` in order, in consecutive groups of at most `limit` bytes (0: one group)."""
+    if not items:
+        return []
+    if not limit:
+        return [items]
+    groups, current, size = [], [], 0
+    for item in items:
+        nbytes = size_of(item)
+        if current and size + nbytes > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+    groups.append(current)
+    return groups
+
+
+def _initial_q(columns: int, rank: int, index: int) -> np.ndarray:
+    """An orthonormal columns x rank matrix, the same on every replica and worker."""
+    rng = np.random.default_rng([_Q_SEED, index])
+    q, _ = np.linalg.qr(rng.standard_normal((columns, rank)))
+    return q.astype("float32")

@@ -1,0 +1,108 @@
+"""`steps_per_execution > 1` with several synchronous replicas (keras-team/keras#19246).
+
+Keras 3's TensorFlow trainer (`TensorFlowTrainer._make_function`) runs
+`steps_per_execution` steps in one `tf.function` as a `tf.while_loop` whose
+body calls the distributed step inside a `tf.cond` (on
+`iterator.get_next_as_optional().has_value()`). Under MirroredStrategy and
+MultiWorkerMirroredStrategy with two or more replicas that fails at the
+first step: "You must feed a value for placeholder tensor
+'while/body/.../while/cond/then/.../while/cond/Placeholder'" (the replicas'
+synchronisation inside the cond branch). One replica, ParameterServerStrategy
+and the default strategy are unaffected.
+
+The fix builds, for models whose strategy tfdist made and that has several
+replicas, the loop tf_keras used: the first step, then `steps_per_execution
+- 1` more in a `tf.range` loop, each reading `iterator.get_next()`, with no
+`tf.cond` around the step. Running out of data inside an execution raises
+`OutOfRangeError`, which Keras's epoch iterator turns into the end of the
+epoch (the steps already run in that execution are applied, as in tf_keras).
+Everything else (one step per execution, other strategies) runs Keras's own
+code.
+"""
+
+from __future__ import annotations
+
+from tfdist.compat import _owner, _patch
+
+UPSTREAM_ISSUE = "https://github.com/keras-team/keras/issues/19246"
+
+
+def _target():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer.TensorFlowTrainer, "_make_function"
+
+
+def _check(original) -> None:
+    from keras.src.backend.tensorflow import trainer
+
+    _patch.require_signature(original, "step_function",
+                             what="TensorFlowTrainer._make_function")
+    _patch.require_attributes(trainer.TensorFlowTrainer, "_autoconvert_optionals",
+                              "distribute_strategy", what="TensorFlowTrainer")
+    _patch.require_attributes(trainer, "reduce_per_replica", what="keras TF trainer module")
+
+
+def _several_replicas(model) -> bool:
+    strategy = model.distribute_strategy
+    return _owner.owns(strategy) and strategy.num_replicas_in_sync > 1
+
+
+def _make(original):
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    from keras.src.backend.tensorflow import trainer
+
+    def applies(self, step_function):
+        return (self.steps_per_execution > 1 and not self.run_eagerly
+                and _several_replicas(self))
+
+    @_patch.passthrough(original, applies)
+    def _make_function(self, step_function):
+        @tf.autograph.experimental.do_not_convert
+        def one_step_on_data(data):
+            outputs = self.distribute_strategy.run(step_function, args=(data,))
+            return trainer.reduce_per_replica(outputs, self.distribute_strategy,
+                                              reduction="auto")
+
+        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
+                                       jit_compile=self.jit_compile)
+        one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+        steps = self.steps_per_execution
+
+        @tf.function(reduce_retracing=True)
+        def multi_step_on_iterator(iterator):
+            outputs = one_step_on_data(iterator.get_next())
+            for _ in tf.range(steps - 1):
+                outputs = one_step_on_data(iterator.get_next())
+            return outputs
+
+        def function(iterator):
+            if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                return multi_step_on_iterator(iterator)
+            # A list of batches (Keras's epoch iterator with plain Python data).
+            for data in iterator:
+                outputs = one_step_on_data(data)
+            return outputs
+
+        return function
+
+    return _make_function
+
+
+FIX = _patch.Fix(
+    name="keras_multi_step.make_function",
+    issue=UPSTREAM_ISSUE,
+    target=_target,
+    check=_check,
+    make=_make,
+)
+
+
+def install() -> bool:
+    """Lets Keras run steps_per_execution > 1 under tfdist's multi-replica strategies."""
+    return _patch.install(FIX)
