@@ -152,3 +152,42 @@ def test_module_attributes_are_restored():
     assert module.function(2) == -2
     _patch.uninstall(["test.module"])
     assert module.function is function
+
+
+def _every_fix() -> dict:
+    """Every `_patch.Fix` tfdist.compat defines (module attributes, lists and `_fixes()`)."""
+    import importlib
+    import pkgutil
+
+    import tfdist.compat as compat_package
+
+    found = {}
+    for info in pkgutil.iter_modules(compat_package.__path__):
+        module = importlib.import_module(f"tfdist.compat.{info.name}")
+        values = list(vars(module).values())
+        if callable(getattr(module, "_fixes", None)):
+            values.extend(module._fixes())
+        for value in values:
+            for fix in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(fix, _patch.Fix):
+                    found[fix.name] = fix
+    return found
+
+
+def test_every_fix_names_its_upstream_issue_and_is_in_the_docs_table():
+    from tests.helpers import REPO
+
+    fixes = _every_fix()
+    assert len(fixes) >= 30, sorted(fixes)
+    with open(f"{REPO}/docs/compat.md", encoding="utf-8") as f:
+        table = f.read().split("## The fixes", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for name, fix in fixes.items():
+        assert fix.issue.strip(), f"{name} names no upstream issue (say 'none known' and why)"
+        module, what = name.split(".", 1)
+        leaf = what.rsplit(".", 1)[-1]
+        if (f"`{name}`" not in table and f"`{module}.*`" not in table
+                and not (f"`{module}.*" in table and f"`{leaf}`" in table)
+                and not (f"`{module}.*" in table and f"`.{leaf}`" in table)):
+            missing.append(name)
+    assert not missing, f"docs/compat.md's table of fixes lacks: {missing}"

@@ -182,6 +182,9 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+_PASS_GRAPH_SEED = 87654321  # TensorFlow's own default graph seed (random_seed.DEFAULT_GRAPH_SEED)
+
+
 def repeat_shuffled(dataset, *, buffer_size: int, seed: int):
     """`dataset` repeated forever, reshuffled each pass with seed `seed + pass`.
 
@@ -197,9 +200,18 @@ def repeat_shuffled(dataset, *, buffer_size: int, seed: int):
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"buffer_size must be an integer >= 1. Received: "
                          f"buffer_size={buffer_size!r}")
-    return tf.data.Dataset.range(2**62).flat_map(
-        lambda epoch: dataset.shuffle(buffer_size, seed=seed + epoch,
-                                      reshuffle_each_iteration=False))
+
+    def one_pass(epoch):
+        # This runs while TensorFlow traces the dataset function (a graph). TF's
+        # random_seed.get_seed compares (global seed, op seed) with (0, 0) in Python, which
+        # fails for a tensor op seed ("Using a symbolic tf.Tensor as a Python bool") when the
+        # user's global seed is 0 (keras.utils.set_random_seed(0)). Setting this function
+        # graph's own seed (public API; only this graph) avoids that and makes the order
+        # depend on `seed` alone, whatever the process's global seed.
+        tf.compat.v1.set_random_seed(_PASS_GRAPH_SEED)
+        return dataset.shuffle(buffer_size, seed=seed + epoch, reshuffle_each_iteration=False)
+
+    return tf.data.Dataset.range(2**62).flat_map(one_pass)
 
 
 # --- what is saved ----------------------------------------------------------------
