@@ -41,8 +41,10 @@ def _check(original) -> None:
 
     _patch.require_signature(original, "step_function",
                              what="TensorFlowTrainer._make_function")
-    _patch.require_attributes(trainer.TensorFlowTrainer, "_autoconvert_optionals",
-                              "distribute_strategy", what="TensorFlowTrainer")
+    # `_autoconvert_optionals` (Keras >= 3.11) is applied where Keras's own
+    # `_make_function` applies it; Keras 3.10's has no such step, and neither does ours there.
+    _patch.require_attributes(trainer.TensorFlowTrainer, "distribute_strategy",
+                              what="TensorFlowTrainer")
     _patch.require_attributes(trainer, "reduce_per_replica", what="keras TF trainer module")
 
 
@@ -71,7 +73,8 @@ def _make(original):
 
         one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
                                        jit_compile=self.jit_compile)
-        one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+        if hasattr(self, "_autoconvert_optionals"):
+            one_step_on_data = self._autoconvert_optionals(one_step_on_data)
         steps = self.steps_per_execution
 
         @tf.function(reduce_retracing=True)

@@ -100,7 +100,7 @@ def _fill(structure, values, constant=None):
         return structure
     return keras.tree.map_structure(
         lambda x: values[x.key] if isinstance(x, _Ref) else
-        (constant(x) if constant is not None else x), structure, none_is_leaf=True)
+        (constant(x) if constant is not None else x), structure)
 
 
 @dataclasses.dataclass
@@ -252,9 +252,10 @@ class _Flattener:
                 name, first = self.layer_name(op, prefix)
             else:
                 name, first = None, False
+            # None stays None whether a Keras version treats it as a leaf (3.11+: the
+            # default) or as an empty structure (3.10 has no `none_is_leaf`).
             template = lambda s: keras.tree.map_structure(  # noqa: E731
-                lambda x: _Ref(key(x)) if isinstance(x, keras.KerasTensor) else x, s,
-                none_is_leaf=True)
+                lambda x: _Ref(key(x)) if isinstance(x, keras.KerasTensor) else x, s)
             fixed = gnode.kwargs.get("training") if isinstance(
                 gnode.kwargs.get("training"), bool) else training
             self.nodes.append(Node(
