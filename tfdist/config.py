@@ -64,8 +64,15 @@ class PresetOptions:
     preset: ClassVar[str] = ""
 
     @classmethod
+    def option_fields(cls) -> tuple[dataclasses.Field, ...]:
+        """The options, the preset's own first, then those it shares with other presets."""
+        own = cls.__dict__.get("__annotations__", {})
+        fields = dataclasses.fields(cls)
+        return tuple(sorted(fields, key=lambda f: f.name not in own))  # stable: keeps order
+
+    @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in cls.option_fields())
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "PresetOptions":
@@ -281,18 +288,10 @@ def powersgd_warmup_of(options: Any) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MirroredOptions(PresetOptions):
-    """Synchronous data parallelism on one machine (`MirroredStrategy`).
+class _DataParallelOptions(PresetOptions):
+    """The options every synchronous data-parallel preset takes (mirrored, multi_worker_mirrored).
 
     Attributes:
-      devices: explicit device names, e.g. ("/cpu:0", "/cpu:1"). Exclusive with
-        `num_devices`.
-      num_devices: use the first N devices (GPUs if any, else logical CPUs).
-      cross_device_ops: how gradients are summed across replicas. "auto" lets
-        TensorFlow choose (NCCL on GPUs, a collective ring on CPUs); "ring"
-        is a collective ring all-reduce; "reduction_to_one_device" sums on one
-        device and broadcasts back (a central reducer); "hierarchical_copy"
-        and "nccl" are GPU algorithms ("nccl" needs GPUs).
       sync_batch_norm: compute BatchNormalization's batch mean and variance
         over the global batch (every replica's slice; two small all-reduces
         per BN layer per step) instead of each replica's own slice. Either
@@ -311,17 +310,6 @@ class MirroredOptions(PresetOptions):
         layers first (0: one all-reduce).
     """
 
-    preset: ClassVar[str] = "mirrored"
-    devices: tuple[str, ...] | None = dataclasses.field(default=None, metadata={
-        "help": "mirrored: comma-separated devices, e.g. /cpu:0,/cpu:1 (exclusive with "
-                "--num_devices)."})
-    num_devices: int | None = dataclasses.field(default=None, metadata={
-        "help": "mirrored: use the first N devices (GPUs if any, else logical CPUs). "
-                "Default: all of them."})
-    cross_device_ops: CrossDeviceOps = dataclasses.field(default="auto", metadata={
-        "help": "mirrored: gradient reduction. auto (TF picks), ring (collective ring "
-                "all-reduce), reduction_to_one_device (central reducer), hierarchical_copy, "
-                "nccl (GPUs only)."})
     sync_batch_norm: bool = dataclasses.field(default=False, metadata={
         "help": "mirrored, multi_worker_mirrored: BatchNormalization statistics over the "
                 "global batch (two all-reduces per BN layer per step) instead of each "
@@ -336,8 +324,45 @@ class MirroredOptions(PresetOptions):
     powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
     bucket_bytes: int = _comm_field("bucket_bytes", 0)
 
-    def __post_init__(self):
+    def _check_data_parallel(self, *, reducer: str) -> None:
+        """The shared options' checks; `reducer` is the preset's all-reduce choice."""
         _check_bool("sync_batch_norm", self.sync_batch_norm)
+        _check_sharding(self)
+        _check_comm_options(self, reducer=reducer)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MirroredOptions(_DataParallelOptions):
+    """Synchronous data parallelism on one machine (`MirroredStrategy`).
+
+    Attributes:
+      devices: explicit device names, e.g. ("/cpu:0", "/cpu:1"). Exclusive with
+        `num_devices`.
+      num_devices: use the first N devices (GPUs if any, else logical CPUs).
+      cross_device_ops: how gradients are summed across replicas. "auto" lets
+        TensorFlow choose (NCCL on GPUs, a collective ring on CPUs); "ring"
+        is a collective ring all-reduce; "reduction_to_one_device" sums on one
+        device and broadcasts back (a central reducer); "hierarchical_copy"
+        and "nccl" are GPU algorithms ("nccl" needs GPUs).
+
+    And the shared data-parallel options (sync_batch_norm, shard, offload,
+    shard_min_bytes, gradient_compression, powersgd_rank,
+    powersgd_warmup_steps, bucket_bytes): see `_DataParallelOptions`.
+    """
+
+    preset: ClassVar[str] = "mirrored"
+    devices: tuple[str, ...] | None = dataclasses.field(default=None, metadata={
+        "help": "mirrored: comma-separated devices, e.g. /cpu:0,/cpu:1 (exclusive with "
+                "--num_devices)."})
+    num_devices: int | None = dataclasses.field(default=None, metadata={
+        "help": "mirrored: use the first N devices (GPUs if any, else logical CPUs). "
+                "Default: all of them."})
+    cross_device_ops: CrossDeviceOps = dataclasses.field(default="auto", metadata={
+        "help": "mirrored: gradient reduction. auto (TF picks), ring (collective ring "
+                "all-reduce), reduction_to_one_device (central reducer), hierarchical_copy, "
+                "nccl (GPUs only)."})
+
+    def __post_init__(self):
         if self.devices is not None:
             if isinstance(self.devices, str):
                 devices = tuple(d for d in self.devices.split(",") if d.strip())
@@ -366,8 +391,7 @@ class MirroredOptions(PresetOptions):
                 f"cross_device_ops must be one of {', '.join(CROSS_DEVICE_OPS)}. "
                 f"Received: cross_device_ops={self.cross_device_ops!r}"
             )
-        _check_sharding(self)
-        _check_comm_options(self, reducer=self.cross_device_ops)
+        self._check_data_parallel(reducer=self.cross_device_ops)
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -408,7 +432,7 @@ def _check_seconds(name: str, value: Any, *, allow_none: bool) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MultiWorkerMirroredOptions(PresetOptions):
+class MultiWorkerMirroredOptions(_DataParallelOptions):
     """Synchronous data parallelism over several processes/machines (MultiWorkerMirroredStrategy).
 
     The cluster comes from TF_CONFIG (set by `tfdist launch`, SLURM or
@@ -426,12 +450,10 @@ class MultiWorkerMirroredOptions(PresetOptions):
       join_timeout: seconds to wait for every task to join when the strategy
         is created. TensorFlow waits forever; tfdist stops the process with an
         error naming the tasks that never joined.
-      sync_batch_norm: as for `MirroredOptions`: BatchNormalization statistics
-        over the global batch of all workers.
-      shard, offload, shard_min_bytes: as for `MirroredOptions` (sharding is
-        over every replica of every worker).
-      gradient_compression, powersgd_rank, powersgd_warmup_steps, bucket_bytes:
-        as for MirroredOptions.
+
+    And the shared data-parallel options (see `_DataParallelOptions`), over
+    every replica of every worker: BatchNormalization statistics over the
+    global batch of all workers, sharding over all replicas.
     """
 
     preset: ClassVar[str] = "multi_worker_mirrored"
@@ -447,22 +469,8 @@ class MultiWorkerMirroredOptions(PresetOptions):
     join_timeout: float = dataclasses.field(default=120.0, metadata={
         "help": "multi_worker_mirrored: seconds to wait for every task to join before "
                 "failing with the names of the missing tasks."})
-    sync_batch_norm: bool = dataclasses.field(default=False, metadata={
-        "help": "mirrored, multi_worker_mirrored: BatchNormalization statistics over the "
-                "global batch (two all-reduces per BN layer per step) instead of each "
-                "replica's slice."})
-    shard: Shard = dataclasses.field(default="none", metadata={"help": _SHARD_HELP["shard"]})
-    offload: Offload = dataclasses.field(default="none",
-                                         metadata={"help": _SHARD_HELP["offload"]})
-    shard_min_bytes: int = dataclasses.field(default=DEFAULT_SHARD_MIN_BYTES, metadata={
-        "help": _SHARD_HELP["shard_min_bytes"]})
-    gradient_compression: GradientCompression = _comm_field("gradient_compression", "none")
-    powersgd_rank: int | None = _comm_field("powersgd_rank", None)
-    powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
-    bucket_bytes: int = _comm_field("bucket_bytes", 0)
 
     def __post_init__(self):
-        _check_bool("sync_batch_norm", self.sync_batch_norm)
         if self.communication not in COMMUNICATION_IMPLEMENTATIONS:
             raise ValueError(
                 f"communication must be one of {', '.join(COMMUNICATION_IMPLEMENTATIONS)}. "
@@ -476,8 +484,7 @@ class MultiWorkerMirroredOptions(PresetOptions):
             )
         _check_seconds("collective_timeout", self.collective_timeout, allow_none=True)
         _check_seconds("join_timeout", self.join_timeout, allow_none=False)
-        _check_sharding(self)
-        _check_comm_options(self, reducer=self.communication)
+        self._check_data_parallel(reducer=self.communication)
         if self.bucket_bytes and self.bytes_per_pack:
             raise ValueError(
                 "Pass either bucket_bytes (tfdist's buckets, launched as their gradients "

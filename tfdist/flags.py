@@ -44,16 +44,10 @@ def _unwrap_optional(tp):
     return tp
 
 
-def _define_option_flag(field: dataclasses.Field, hints: dict[str, Any], preset: str,
-                        flag_values: flags.FlagValues) -> None:
-    name = field.name
-    help_text = field.metadata.get("help", f"Option '{name}' of the {preset} preset.")
-    if name in flag_values:
-        if name in _PRESET_FLAGS:
-            _PRESET_FLAGS[name].add(preset)
-        return
-    tp = _unwrap_optional(hints[name])
-    default = None  # absent = the preset's own default
+def _define_typed_flag(name: str, tp: Any, default: Any, help_text: str,
+                       flag_values: flags.FlagValues, where: str) -> None:
+    """Defines --name with the absl flag type matching the option's Python type `tp`."""
+    tp = _unwrap_optional(tp)
     if get_origin(tp) is Literal:
         flags.DEFINE_enum(name, default, [str(a) for a in get_args(tp)], help_text,
                           flag_values=flag_values)
@@ -68,8 +62,37 @@ def _define_option_flag(field: dataclasses.Field, hints: dict[str, Any], preset:
     elif tp is str:
         flags.DEFINE_string(name, default, help_text, flag_values=flag_values)
     else:
-        raise TypeError(f"No flag type for option {preset}.{name}: {tp!r}")
+        raise TypeError(f"No flag type for option {where}.{name}: {tp!r}")
+
+
+def _define_option_flag(field: dataclasses.Field, hints: dict[str, Any], preset: str,
+                        flag_values: flags.FlagValues) -> None:
+    name = field.name
+    help_text = field.metadata.get("help", f"Option '{name}' of the {preset} preset.")
+    if name in flag_values:
+        if name in _PRESET_FLAGS:
+            _PRESET_FLAGS[name].add(preset)
+        return
+    # default None: absent means the preset's own default.
+    _define_typed_flag(name, hints[name], None, help_text, flag_values, preset)
     _PRESET_FLAGS[name] = {preset}
+
+
+def _define_dataclass_flags(options_cls: type, flag_values: flags.FlagValues) -> None:
+    """One flag per field of `options_cls` (SplitOptions, StepOptions), with its default."""
+    hints = typing.get_type_hints(options_cls)
+    for field in dataclasses.fields(options_cls):
+        if field.name not in flag_values:
+            _define_typed_flag(field.name, hints[field.name], field.default,
+                               field.metadata["help"], flag_values, options_cls.__name__)
+
+
+def _dataclass_from_flags(options_cls: type, flag_values: flags.FlagValues) -> Any:
+    try:
+        return options_cls(**{f.name: flag_values[f.name].value
+                              for f in dataclasses.fields(options_cls)})
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
@@ -93,7 +116,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     for preset in strategies.available_presets():
         options_cls = strategies.get_preset(preset).options
         hints = typing.get_type_hints(options_cls)
-        for field in dataclasses.fields(options_cls):
+        for field in options_cls.option_fields():
             _define_option_flag(field, hints, preset, flag_values)
 
 
@@ -173,23 +196,11 @@ def define_training_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 
 # --- model splitting ------------------------------------------------------------------------
 def define_split_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-    """Defines --split, --stages, --micro_batches, --split_balance (from SplitOptions).
+    """Defines --split, --stages, --micro_batches, --split_balance, --sequence_parallel.
 
     Safe to call twice.
     """
-    hints = typing.get_type_hints(config_lib.SplitOptions)
-    for field in dataclasses.fields(config_lib.SplitOptions):
-        if field.name in flag_values:
-            continue
-        tp = _unwrap_optional(hints[field.name])
-        help_text = field.metadata["help"]
-        if get_origin(tp) is Literal:
-            flags.DEFINE_enum(field.name, field.default, [str(a) for a in get_args(tp)],
-                              help_text, flag_values=flag_values)
-        elif tp is int:
-            flags.DEFINE_integer(field.name, field.default, help_text, flag_values=flag_values)
-        else:
-            flags.DEFINE_string(field.name, field.default, help_text, flag_values=flag_values)
+    _define_dataclass_flags(config_lib.SplitOptions, flag_values)
 
 
 def split_options_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.SplitOptions:
@@ -198,12 +209,7 @@ def split_options_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_li
     Raises:
       flags.ValidationError: an invalid combination, with the fix.
     """
-    try:
-        return config_lib.SplitOptions(**{
-            f.name: flag_values[f.name].value
-            for f in dataclasses.fields(config_lib.SplitOptions)})
-    except ValueError as e:
-        raise flags.ValidationError(str(e)) from None
+    return _dataclass_from_flags(config_lib.SplitOptions, flag_values)
 
 
 # --- per-step knobs (mixed precision, steps_per_execution, XLA) ------------------------------
@@ -212,23 +218,7 @@ def define_step_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 
     Generated from `tfdist.StepOptions`; safe to call twice.
     """
-    hints = typing.get_type_hints(config_lib.StepOptions)
-    for field in dataclasses.fields(config_lib.StepOptions):
-        if field.name in flag_values:
-            continue
-        tp = _unwrap_optional(hints[field.name])
-        help_text = field.metadata["help"]
-        if get_origin(tp) is Literal:
-            flags.DEFINE_enum(field.name, field.default, [str(a) for a in get_args(tp)],
-                              help_text, flag_values=flag_values)
-        elif tp is bool:
-            flags.DEFINE_bool(field.name, field.default, help_text, flag_values=flag_values)
-        elif tp is int:
-            flags.DEFINE_integer(field.name, field.default, help_text, flag_values=flag_values)
-        elif tp is float:
-            flags.DEFINE_float(field.name, field.default, help_text, flag_values=flag_values)
-        else:
-            raise TypeError(f"No flag type for StepOptions.{field.name}: {tp!r}")
+    _define_dataclass_flags(config_lib.StepOptions, flag_values)
 
 
 def step_options_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.StepOptions:
@@ -237,9 +227,4 @@ def step_options_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib
     Raises:
       flags.ValidationError: an invalid value or combination, with the fix.
     """
-    try:
-        return config_lib.StepOptions(**{
-            f.name: flag_values[f.name].value
-            for f in dataclasses.fields(config_lib.StepOptions)})
-    except ValueError as e:
-        raise flags.ValidationError(str(e)) from None
+    return _dataclass_from_flags(config_lib.StepOptions, flag_values)
