@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MARKER = "tfdist-test-step-ran"
+from _ps_marked_model import marked_regression  # noqa: E402 (tests/ is on sys.path)
 
 
 def main(workdir: str) -> None:
@@ -32,25 +32,7 @@ def main(workdir: str) -> None:
 
     os.write(1, f"{tfdist.chief.task_name()} pid={os.getpid()}\n".encode())
     strategy = tfdist.make_strategy("parameter_server", connect_timeout=60)
-    tf = tfdist.import_tensorflow()
-    import keras
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((512, 8)).astype("float32")
-    y = x.sum(axis=1, keepdims=True)
-
-    def dataset_fn(input_context):
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
-
-    class Marked(keras.Sequential):
-        def train_step(self, data):
-            tf.print(MARKER, output_stream=sys.stderr)  # runs (and prints) on a worker
-            return super().train_step(data)
-
-    with strategy.scope():
-        model = Marked([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse")
+    model, dataset_fn = marked_regression(strategy, hidden=16)
 
     def emit(**event):
         print(json.dumps(event), flush=True)

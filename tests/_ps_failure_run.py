@@ -28,9 +28,9 @@ import sys
 import time
 
 import tfdist
+from _ps_marked_model import marked_regression  # tests/ is on sys.path (run as a script)
 
 STARTED = time.monotonic()
-MARKER = "tfdist-test-step-ran"
 STEPS = 50
 
 
@@ -134,21 +134,7 @@ def main(mode: str, workdir: str) -> None:
     import numpy as np
 
     emit(event="strategy_ready")
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((512, 8)).astype("float32")
-    y = x.sum(axis=1, keepdims=True)
-
-    def dataset_fn(input_context):
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
-
-    class Marked(keras.Sequential):
-        def train_step(self, data):
-            tf.print(MARKER, output_stream=sys.stderr)  # runs (and prints) on the worker
-            return super().train_step(data)
-
-    with strategy.scope():
-        model = Marked([keras.Input((8,)), keras.layers.Dense(32), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse")
+    model, dataset_fn = marked_regression(strategy, hidden=32)
 
     if mode == "faults":
         faults(workdir, strategy, tf, keras, np, model, dataset_fn)
