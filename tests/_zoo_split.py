@@ -35,7 +35,8 @@ tf = tfdist.import_tensorflow()
 import keras  # noqa: E402
 
 from tests import zoo  # noqa: E402
-from tfdist import cost, flops  # noqa: E402
+from tests.shared import profiler_flops  # noqa: E402
+from tfdist import cost  # noqa: E402
 from tfdist.split import pipeline  # noqa: E402
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -44,20 +45,9 @@ STEPS = 3
 BATCH = 8
 
 
-def profiler_flops(model, x) -> float:
-    """TensorFlow's profiler on the model's own traced forward pass, plus its Einsums."""
-    specs = tf.nest.map_structure(
-        lambda a: tf.TensorSpec((1,) + a.shape[1:], tf.as_dtype(a.dtype)), x)
-    fn = tf.function(lambda inputs: model(inputs, training=False))
-    graph = fn.get_concrete_function(specs).graph
-    options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
-    options["output"] = "none"
-    total = tf.compat.v1.profiler.profile(graph=graph, options=options).total_float_ops
-    for op in graph.get_operations():
-        if op.type == "Einsum":
-            total += flops.einsum_flops(op.get_attr("equation").decode(),
-                                        [t.shape.as_list() for t in op.inputs])
-    return float(total)
+def _profiler_flops(model, x) -> float:
+    return profiler_flops(model, tf.nest.map_structure(
+        lambda a: tf.TensorSpec((1,) + a.shape[1:], tf.as_dtype(a.dtype)), x))
 
 
 def _input_shapes(x):
@@ -79,7 +69,7 @@ def check(family) -> dict:
     start = time.perf_counter()
     try:
         stats = cost.model_stats(family.build(seed=0), input_shapes=_input_shapes(x))
-        reference = profiler_flops(family.build(seed=0), x)
+        reference = _profiler_flops(family.build(seed=0), x)
         row["flops_ratio"] = stats.forward_flops_per_example / reference if reference else None
     except Exception as e:  # noqa: BLE001 - the row records any failure
         row["flops_error"] = f"{type(e).__name__}: {str(e)[:300]}"

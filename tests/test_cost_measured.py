@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tests.helpers import run_python
+from tests.shared import TiedEmbedding, profiler_flops
 from tfdist import cost, flops
 
 MEASURE = textwrap.dedent("""
@@ -69,19 +70,6 @@ def test_memory_matches_the_allocator():
         assert 0.98 <= allocated / predicted <= 1.0, (part, allocated, predicted)
 
 
-def profiler_flops(model, spec) -> float:
-    fn = tf.function(lambda inputs: model(inputs, training=False))
-    graph = fn.get_concrete_function(spec).graph
-    options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
-    options["output"] = "none"
-    total = tf.compat.v1.profiler.profile(graph=graph, options=options).total_float_ops
-    for op in graph.get_operations():
-        if op.type == "Einsum":
-            total += flops.einsum_flops(op.get_attr("equation").decode(),
-                                        [t.shape.as_list() for t in op.inputs])
-    return float(total)
-
-
 class Patches(keras.layers.Layer):
     """Image -> patch embeddings plus a class token and positions (a ViT stem)."""
 
@@ -112,18 +100,6 @@ def vit():
         h = keras.layers.LayerNormalization()(x)
         x = x + keras.layers.Dense(32)(keras.layers.Dense(64, activation="gelu")(h))
     return keras.Model(inputs, keras.layers.Dense(10)(x[:, 0]))
-
-
-class TiedEmbedding(keras.layers.Embedding):
-    def call(self, inputs, reverse=False):
-        if reverse:
-            return keras.ops.matmul(inputs, keras.ops.transpose(self.embeddings))
-        return super().call(inputs)
-
-    def compute_output_spec(self, inputs, reverse=False):
-        if reverse:
-            return keras.KerasTensor(tuple(inputs.shape[:-1]) + (self.input_dim,), inputs.dtype)
-        return super().compute_output_spec(inputs)
 
 
 def gpt():

@@ -9,6 +9,7 @@ import keras
 
 import tfdist
 from tests.helpers import run_python
+from tests.shared import assert_fit_matches
 from tfdist.split import Plan, one_f_one_b
 
 TOL = 1e-5
@@ -69,11 +70,7 @@ def test_1f1b_tied_embedding_and_integer_inputs():
     ref = tied_lm()
     for m in (split, ref):
         m.compile(keras.optimizers.SGD(0.1), loss)
-    h_s = split.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
-    h_u = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
-    assert np.allclose(h_s, h_u, atol=TOL)
-    assert max(float(np.abs(a - b).max()) for a, b in zip(split.get_weights(),
-                                                             ref.get_weights())) <= TOL
+    assert_fit_matches(split, ref, x, y, tol=TOL)
 
 
 def test_1f1b_refuses_add_loss_layers():

@@ -16,6 +16,8 @@ import tfdist
 from tfdist.split import Plan
 from tfdist.split.pipeline import check_placement
 
+from tests.shared import TiedEmbedding, assert_fit_matches
+
 TOL = 1e-5
 RNG = np.random.default_rng(0)
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -24,10 +26,6 @@ DEVICES = ["/cpu:0", "/cpu:1"]
 def _dev(variable) -> str:
     value = getattr(variable, "value", variable)
     return value.device.split("device:")[-1]
-
-
-def _max_diff(a, b):
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 def _train_both(build, x, y, *, plan=None, micro_batches=2, optimizer=lambda: keras.optimizers.SGD(0.05),
@@ -41,10 +39,7 @@ def _train_both(build, x, y, *, plan=None, micro_batches=2, optimizer=lambda: ke
     assert np.allclose(np.asarray(split(x)), np.asarray(reference(x)), atol=TOL)
     for m in (split, reference):
         m.compile(optimizer(), loss)
-    h_s = split.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0).history["loss"]
-    h_u = reference.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0).history["loss"]
-    assert np.allclose(h_s, h_u, atol=TOL), (h_s, h_u)
-    assert _max_diff(split.get_weights(), reference.get_weights()) <= TOL
+    assert_fit_matches(split, reference, x, y, tol=TOL, epochs=epochs)
     return split, reference
 
 
@@ -95,20 +90,6 @@ def test_nested_call_with_training_argument_behaves_as_in_keras():
 
 
 # --- shared and tied layers ---------------------------------------------------------------------
-class TiedEmbedding(keras.layers.Embedding):
-    """An embedding whose transpose is the output head (KerasHub's ReversibleEmbedding idea)."""
-
-    def call(self, inputs, reverse=False):
-        if reverse:
-            return keras.ops.matmul(inputs, keras.ops.transpose(self.embeddings))
-        return super().call(inputs)
-
-    def compute_output_spec(self, inputs, reverse=False):
-        if reverse:
-            return keras.KerasTensor(tuple(inputs.shape[:-1]) + (self.input_dim,), inputs.dtype)
-        return super().compute_output_spec(inputs)
-
-
 def tied_lm(seed=0):
     keras.utils.set_random_seed(seed)
     ids = keras.Input((6,), dtype="int32", name="token_ids")

@@ -12,6 +12,8 @@ import tensorflow as tf
 from models import build_transformer
 from tfdist.split.sequence_parallel import nearest_valid_lengths, sequence_parallel
 
+from tests.shared import assert_fit_matches
+
 TOL = 1e-5
 RNG = np.random.default_rng(0)
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -71,11 +73,7 @@ def test_fit_equals_unsplit_and_activations_are_split():
     ref, sp = transformer(), sequence_parallel(transformer(), devices=DEVICES[:2])
     for m in (ref, sp):
         m.compile(keras.optimizers.SGD(0.05), LOSS)
-    h_s = sp.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
-    h_u = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
-    assert np.allclose(h_s, h_u, atol=TOL)
-    assert max(float(np.abs(a - b).max()) for a, b in zip(sp.get_weights(),
-                                                             ref.get_weights())) <= TOL
+    assert_fit_matches(sp, ref, x, y, tol=TOL)
     # Activation bytes per device, read from the traced forward pass (op outputs and
     # their devices) for the position-wise layers of the blocks: 1/N of the unsplit ones.
     spec = tf.TensorSpec((8, 8, 8, 1))
@@ -110,11 +108,7 @@ def test_composes_with_mirrored_replicas():
                                   ["/device:CPU:2", "/device:CPU:3"]]
     for m in (ref, sp):
         m.compile(keras.optimizers.SGD(0.1), LOSS)
-    h_s = sp.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
-    h_u = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
-    assert np.allclose(h_s, h_u, atol=TOL)
-    assert max(float(np.abs(a - b).max()) for a, b in zip(sp.get_weights(),
-                                                             ref.get_weights())) <= TOL
+    assert_fit_matches(sp, ref, x, y, tol=TOL)
 
 
 def test_length_not_divisible_is_a_clear_error():
