@@ -353,3 +353,21 @@ def test_arithmetic_imports_no_tensorflow():
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_relative_traffic_of_sharding_and_compression():
+    # ZeRO-1: all-reduce (2 halves) + all-gather of the updated shards (1 half).
+    assert cost.relative_traffic(stage=1) == 1.5
+    assert cost.relative_traffic(stage=2) == 1.0  # reduce-scatter + all-gather: the all-reduce
+    assert cost.relative_traffic(stage=3) == 1.5  # weights gathered in forward and backward
+    assert cost.relative_traffic(compression="bf16") == 0.5
+    assert cost.relative_traffic(stage=2, compression="fp16") == 0.5
+    # The same ratio as the bytes the compressed all-reduce sends.
+    shapes = [(784, 512), (512,)]
+    assert cost.relative_traffic(compression="fp16") == (
+        cost.compressed_gradient_bytes(shapes, compression="fp16")
+        / cost.compressed_gradient_bytes(shapes))
+    with pytest.raises(ValueError, match=r"stage must be 0, 1, 2 or 3. Received: stage=4"):
+        cost.relative_traffic(stage=4)
+    with pytest.raises(ValueError, match=r"powersgd's bytes depend on the shapes"):
+        cost.relative_traffic(compression="powersgd")

@@ -658,6 +658,31 @@ class ShardedStateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
+# Bytes each replica moves per step, relative to a ring all-reduce of its gradients, by ZeRO
+# stage (docs/sharding.md): stage 1 all-reduces the whole gradient, then all-gathers the
+# updated shards (1 + 1/2); stage 2 reduce-scatters instead (the same bytes as the
+# all-reduce's two halves: 1); stage 3 also all-gathers each sharded weight in the forward
+# and again in the backward pass, but reduce-scatters its gradients (1.5).
+SHARDED_TRAFFIC = {0: 1.0, 1: 1.5, 2: 1.0, 3: 1.5}
+
+
+def relative_traffic(*, stage: int = 0, compression: str = "none") -> float:
+    """Gradient-exchange bytes per step relative to plain data parallelism's all-reduce.
+
+    `stage`: ZeRO stage 0-3 (`SHARDED_TRAFFIC`); `compression`: none, fp16 or
+    bf16 (the ratio of `COMPRESSED_BYTES_PER_NUMBER`; powersgd depends on the
+    shapes: use `compressed_gradient_bytes`).
+    """
+    if stage not in SHARDED_TRAFFIC:
+        raise ValueError(f"stage must be 0, 1, 2 or 3. Received: stage={stage!r}")
+    if compression not in ("none", "fp16", "bf16"):
+        raise ValueError("compression must be none, fp16 or bf16 (powersgd's bytes depend on "
+                         "the shapes: use compressed_gradient_bytes). Received: "
+                         f"compression={compression!r}")
+    ratio = COMPRESSED_BYTES_PER_NUMBER[compression] / COMPRESSED_BYTES_PER_NUMBER["none"]
+    return SHARDED_TRAFFIC[stage] * ratio
+
+
 def sharded_state_bytes(variable_sizes: Sequence[int], *, stage: int, num_shards: int,
                         optimizer: OptimizerState | str = "adam", bytes_per_element: int = 4,
                         min_shard_bytes: int = 0, offload: bool = False) -> ShardedStateBytes:

@@ -62,22 +62,22 @@ class Variant:
 
 
 VARIANTS: tuple[Variant, ...] = (
-    # Stage 1 all-reduces the whole gradient, then all-gathers the updated shards
-    # (docs/sharding.md): 1.5x plain data parallelism's traffic. Stage 2 replaces the
-    # all-reduce with a reduce-scatter: the same traffic as plain data parallelism.
+    # Traffic factors: tfdist.cost.relative_traffic (ZeRO-1 and ZeRO-3 move 1.5x plain data
+    # parallelism's bytes, ZeRO-2 the same, half-precision gradients half).
     Variant((("shard", "optimizer"),), "optimizer slots sharded over the replicas (ZeRO-1)",
-            state="optimizer", traffic=1.5),
+            state="optimizer", traffic=cost.relative_traffic(stage=1)),
     Variant((("shard", "gradients"),), "optimizer slots and gradients sharded (ZeRO-2)",
-            state="gradients"),
+            state="gradients", traffic=cost.relative_traffic(stage=2)),
     Variant((("shard", "parameters"),), "slots, gradients and weights sharded, weights "
-            "gathered one layer at a time (ZeRO-3)", state="parameters", traffic=1.5),
+            "gathered one layer at a time (ZeRO-3)", state="parameters",
+            traffic=cost.relative_traffic(stage=3)),
     Variant((("shard", "gradients"), ("offload", "optimizer")),
             "gradients sharded, optimizer slots and update on the host (ZeRO-Offload)",
-            state="offload", host_traffic=2.0),
+            state="offload", traffic=cost.relative_traffic(stage=2), host_traffic=2.0),
     Variant((("gradient_compression", "bf16"),), "gradients all-reduced in bfloat16",
-            traffic=0.5),
+            traffic=cost.relative_traffic(compression="bf16")),
     Variant((("gradient_compression", "fp16"),), "gradients all-reduced in float16",
-            traffic=0.5),
+            traffic=cost.relative_traffic(compression="fp16")),
 )
 
 
