@@ -28,17 +28,16 @@ Bus bandwidth of a 2-worker all-reduce is 2(N-1)/N * K / t = K / t.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 from absl import app, flags
 
-from experiments.rows import print_rows, write_rows
+from experiments.rows import print_rows, row as _row, write_rows
+from experiments.workers import launch_workers
 
 
 def _define_flags() -> None:
@@ -204,29 +203,14 @@ def _worker(config: dict, out: str) -> None:
 
 
 def _launch(config: dict) -> dict:
-    from tfdist import launch as launch_lib
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if config.get("grpc_options"):
-            # Channel arguments TensorFlow's gRPC channels read at start-up.
-            env["TF_GRPC_DEFAULT_OPTIONS"] = config["grpc_options"]
-        log = io.StringIO()
-        result = launch_lib.launch(
-            [sys.executable, "-m", "experiments.bench_allreduce", f"--role={json.dumps(config)}",
-             f"--worker_out={out}"], num_workers=2, timeout=600, env=env, stdout=log, stderr=log)
-        if result.returncode != 0 or not os.path.exists(out):
-            tail = "\n".join(log.getvalue().splitlines()[-20:])
-            raise RuntimeError(f"all-reduce workers failed: {result.message}\n{tail}")
-        with open(out) as f:
-            return json.load(f)
+    # grpc_options: channel arguments TensorFlow's gRPC channels read at start-up.
+    env = ({"TF_GRPC_DEFAULT_OPTIONS": config["grpc_options"]}
+           if config.get("grpc_options") else None)
+    return launch_workers("experiments.bench_allreduce", json.dumps(config), num_workers=2,
+                          timeout=600, env=env, what="all-reduce")
 
 
-def _row(name, value, unit, note=""):
-    return {"name": name, "value": float(value), "unit": unit, "target": None, "ratio": None,
-            "note": note}
+
 
 
 def run(quick: bool, trace_dir: str | None = None) -> list[dict]:

@@ -26,19 +26,17 @@ every round.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 
 from absl import app, flags
 
-from experiments.rows import print_rows, write_rows
+from experiments.rows import print_rows, row as _row, write_rows
+from experiments.workers import launch_workers
 
 
 def _define_flags() -> None:
@@ -202,28 +200,12 @@ def _worker(config: dict, out: str) -> None:
 
 
 def _launch(num_workers: int, options: dict, steps: int, overlap: bool) -> dict:
-    from tfdist import launch as launch_lib
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        config = json.dumps({"options": options, "steps": steps, "overlap": overlap})
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        log = io.StringIO()
-        result = launch_lib.launch(
-            [sys.executable, "-m", "experiments.bench_comm", f"--role={config}",
-             f"--worker_out={out}"], num_workers=num_workers, timeout=900, env=env,
-            stdout=log, stderr=log)
-        if result.returncode != 0 or not os.path.exists(out):
-            tail = "\n".join(log.getvalue().splitlines()[-20:])
-            raise RuntimeError(f"bench_comm workers failed: {result.message}\n{tail}")
-        with open(out) as f:
-            return json.load(f)
+    config = json.dumps({"options": options, "steps": steps, "overlap": overlap})
+    return launch_workers("experiments.bench_comm", config, num_workers=num_workers,
+                          timeout=900, what="bench_comm")
 
 
-def _row(name, value, unit, note="", target=None):
-    return {"name": name, "value": float(value), "unit": unit, "target": target,
-            "ratio": (float(value) / target) if target else None, "note": note}
+
 
 
 def _link_from_report() -> "object | None":

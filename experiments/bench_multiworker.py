@@ -16,17 +16,15 @@ Workers are started with tfdist's launcher; each runs this file with
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import socket
 import statistics
-import sys
-import tempfile
 import threading
 import time
 
-from experiments.rows import print_rows, write_rows
+from experiments.rows import print_rows, row as _row, write_rows
+from experiments.workers import launch_workers
 from absl import app, flags
 
 
@@ -153,22 +151,9 @@ def _scaling_worker(quick: bool, out: str) -> None:
 
 
 def _launch_role(role: str, num_workers: int, quick: bool) -> dict:
-    from tfdist import launch as launch_lib
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "experiments.bench_multiworker", f"--role={role}",
-               f"--worker_out={out}"] + (["--quick"] if quick else [])
-        log = io.StringIO()
-        result = launch_lib.launch(cmd, num_workers=num_workers, timeout=900, env=env,
-                                   stdout=log, stderr=log)
-        if result.returncode != 0 or not os.path.exists(out):
-            tail = "\n".join(log.getvalue().splitlines()[-30:])
-            raise RuntimeError(f"{role} workers failed: {result.message}\n{tail}")
-        with open(out) as f:
-            return json.load(f)
+    return launch_workers("experiments.bench_multiworker", role, num_workers=num_workers,
+                          timeout=900, extra_args=("--quick",) if quick else (), what=role,
+                          tail_lines=30)
 
 
 def loopback_tcp_bytes_per_sec(total_bytes: int = 256 * MB, chunk: int = MB) -> float:
@@ -219,9 +204,7 @@ def alpha_beta_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return float(alpha), float(beta)
 
 
-def _row(name, value, unit, note="", target=None):
-    return {"name": name, "value": float(value), "unit": unit, "target": target,
-            "ratio": (float(value) / target) if target else None, "note": note}
+
 
 
 def run(quick: bool) -> list[dict]:

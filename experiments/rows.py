@@ -24,3 +24,9 @@ def write_rows(path: str, rows: list[dict], **details) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"rows": rows, **details}, f, indent=2)
+
+
+def row(name: str, value: float, unit: str, note: str = "", target: float | None = None) -> dict:
+    """One row; `ratio` is value / target when there is a target."""
+    return {"name": name, "value": float(value), "unit": unit, "target": target,
+            "ratio": (float(value) / target) if target else None, "note": note}

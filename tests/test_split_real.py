@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import keras
-import tensorflow as tf
 
 import tfdist
 from tfdist.split import Plan

@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 import subprocess
-from typing import Any, Sequence
+from typing import Any
 
 from tfdist import cost
 
