@@ -57,6 +57,13 @@ def _check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> N
         raise ValueError(f"{name} must be an integer >= 1. Received: {name}={value!r}")
 
 
+def _check_count(name: str, value: Any, zero_means: str) -> None:
+    """An integer >= 0, where 0 means `zero_means` (said in the error)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0: {zero_means}). Received: "
+                         f"{name}={value!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PresetOptions:
     """Base class: options shared by every preset (none yet)."""
@@ -185,11 +192,9 @@ def _check_sharding(options: Any) -> None:
             "offload='optimizer' keeps each replica's shard of the optimizer state on the "
             "host CPU, so it needs sharding. Received: shard='none', offload='optimizer'. "
             "Add shard='optimizer' (or 'gradients', as ZeRO-Offload does), or drop offload.")
-    value = options.shard_min_bytes
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            "shard_min_bytes must be an integer >= 0 (0: shard every variable). Received: "
-            f"shard_min_bytes={value!r}")
+    _check_count("shard_min_bytes", options.shard_min_bytes, "shard every variable")
+
+
 # --- gradient compression and buckets (tfdist/comm/) -----------------------------------
 
 GradientCompression = Literal["none", "fp16", "bf16", "powersgd"]
@@ -224,14 +229,16 @@ def _comm_field(name: str, default: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": _COMM_HELP[name]})
 
 
-def _check_comm_options(options: Any, *, reducer: str) -> None:
+def _check_comm_options(options: Any, *, reducer_option: str) -> None:
     """Validates the gradient compression and bucket options of a synchronous preset.
 
     Args:
       options: MirroredOptions or MultiWorkerMirroredOptions.
-      reducer: how that preset reduces ("ring", "auto", "nccl", ...).
+      reducer_option: the option naming how that preset reduces (cross_device_ops or
+        communication: "ring", "auto", "nccl", ...).
     """
     compression = options.gradient_compression
+    reducer = getattr(options, reducer_option)
     if compression not in GRADIENT_COMPRESSIONS:
         raise ValueError(
             f"gradient_compression must be one of {', '.join(GRADIENT_COMPRESSIONS)}. "
@@ -247,15 +254,11 @@ def _check_comm_options(options: Any, *, reducer: str) -> None:
         rank = options.powersgd_rank
         if rank is not None:
             _check_positive_int("powersgd_rank", rank)
-        steps = options.powersgd_warmup_steps
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                                  or steps < 0):
-            raise ValueError("powersgd_warmup_steps must be an integer >= 0 (0: compress from "
-                             f"the first step). Received: powersgd_warmup_steps={steps!r}")
+        if options.powersgd_warmup_steps is not None:
+            _check_count("powersgd_warmup_steps", options.powersgd_warmup_steps,
+                         "compress from the first step")
     bucket = options.bucket_bytes
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
-        raise ValueError("bucket_bytes must be an integer >= 0 (0: one all-reduce). Received: "
-                         f"bucket_bytes={bucket!r}")
+    _check_count("bucket_bytes", bucket, "one all-reduce")
     if compression == "none" and not bucket:
         return
     what = (f"gradient_compression={compression!r}" if compression != "none"
@@ -263,11 +266,10 @@ def _check_comm_options(options: Any, *, reducer: str) -> None:
     if reducer in _NOT_COLLECTIVE:
         raise ValueError(
             f"{what} runs on TensorFlow's collective all-reduce, and "
-            f"{'cross_device_ops' if options.preset == 'mirrored' else 'communication'}="
-            f"{reducer!r} {_NOT_COLLECTIVE[reducer]} instead. Use "
-            f"{'cross_device_ops' if options.preset == 'mirrored' else 'communication'}='ring' "
+            f"{reducer_option}={reducer!r} {_NOT_COLLECTIVE[reducer]} instead. Use "
+            f"{reducer_option}='ring' "
             "(or 'auto' on CPUs), or drop gradient_compression and bucket_bytes.")
-    shard = getattr(options, "shard", "none")
+    shard = options.shard
     if shard != "none":
         # Sharding reduce-scatters the gradients in its own GradientSync.
         raise ValueError(
@@ -324,11 +326,11 @@ class _DataParallelOptions(PresetOptions):
     powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
     bucket_bytes: int = _comm_field("bucket_bytes", 0)
 
-    def _check_data_parallel(self, *, reducer: str) -> None:
-        """The shared options' checks; `reducer` is the preset's all-reduce choice."""
+    def _check_data_parallel(self, *, reducer_option: str) -> None:
+        """The shared options' checks; `reducer_option` names the preset's all-reduce choice."""
         _check_bool("sync_batch_norm", self.sync_batch_norm)
         _check_sharding(self)
-        _check_comm_options(self, reducer=reducer)
+        _check_comm_options(self, reducer_option=reducer_option)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -391,7 +393,7 @@ class MirroredOptions(_DataParallelOptions):
                 f"cross_device_ops must be one of {', '.join(CROSS_DEVICE_OPS)}. "
                 f"Received: cross_device_ops={self.cross_device_ops!r}"
             )
-        self._check_data_parallel(reducer=self.cross_device_ops)
+        self._check_data_parallel(reducer_option="cross_device_ops")
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -476,15 +478,10 @@ class MultiWorkerMirroredOptions(_DataParallelOptions):
                 f"communication must be one of {', '.join(COMMUNICATION_IMPLEMENTATIONS)}. "
                 f"Received: communication={self.communication!r}"
             )
-        if isinstance(self.bytes_per_pack, bool) or not isinstance(
-                self.bytes_per_pack, int) or self.bytes_per_pack < 0:
-            raise ValueError(
-                "bytes_per_pack must be an integer >= 0 (0: one pack). Received: "
-                f"bytes_per_pack={self.bytes_per_pack!r}"
-            )
+        _check_count("bytes_per_pack", self.bytes_per_pack, "one pack")
         _check_seconds("collective_timeout", self.collective_timeout, allow_none=True)
         _check_seconds("join_timeout", self.join_timeout, allow_none=False)
-        self._check_data_parallel(reducer=self.communication)
+        self._check_data_parallel(reducer_option="communication")
         if self.bucket_bytes and self.bytes_per_pack:
             raise ValueError(
                 "Pass either bucket_bytes (tfdist's buckets, launched as their gradients "

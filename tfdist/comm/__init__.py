@@ -39,10 +39,8 @@ def attach(strategy: Any, options: Any):
     sync = CommSync(
         strategy=strategy,
         compression=options.gradient_compression,
-        rank=config_lib.powersgd_rank_of(options) if options.gradient_compression == "powersgd"
-        else config_lib.DEFAULT_POWERSGD_RANK,
-        warmup_steps=config_lib.powersgd_warmup_of(options)
-        if options.gradient_compression == "powersgd" else 0,
+        rank=config_lib.powersgd_rank_of(options),  # both only used by powersgd
+        warmup_steps=config_lib.powersgd_warmup_of(options),
         bucket_bytes=options.bucket_bytes,
         bytes_per_pack=getattr(options, "bytes_per_pack", 0),
     )

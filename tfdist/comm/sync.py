@@ -112,7 +112,7 @@ class CommSync(optimizer_update.GradientSync):
         # Attributes of the optimizer: tracked (Keras's tracker and TensorFlow's
         # object graph), so saved and restored with it.
         collectives.track_on_optimizer(optimizer, powersgd_errors=errors, powersgd_qs=qs)
-        keys = [collectives.variable_key(optimizer, v) for v in variables
+        keys = [optimizer_update.variable_key(optimizer, v) for v in variables
                 if powersgd.compresses(tuple(v.shape), self.rank)]
         self._state_of[optimizer] = dict(zip(keys, zip(errors, qs)))
 
@@ -124,7 +124,7 @@ class CommSync(optimizer_update.GradientSync):
                 "when Keras builds it; this optimizer was not built under the tfdist strategy "
                 "that compresses. Create and compile the model (or call "
                 "optimizer.build(model.trainable_variables)) under strategy.scope().")
-        return states.get(collectives.variable_key(optimizer, variable))
+        return states.get(optimizer_update.variable_key(optimizer, variable))
 
     # -- the exchange ----------------------------------------------------------------
 

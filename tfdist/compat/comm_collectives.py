@@ -94,20 +94,6 @@ def all_reduce_sum(strategy: Any, tensors: Sequence[Any], *, bytes_per_pack: int
                                 context._replica_id, options))
 
 
-def local_replica_id(strategy: Any) -> Any:
-    """This replica's index among the replicas of this process (0 under MWMS on CPU)."""
-    from tfdist._tf import import_tensorflow
-
-    tf = import_tensorflow()
-    return tf.distribute.get_replica_context()._replica_id
-
-
-def variable_key(optimizer: Any, variable: Any) -> str:
-    """The key Keras's optimizer uses for `variable` (the same for the Keras variable and
-    the tf.Variable the update step receives)."""
-    return optimizer._var_key(variable)
-
-
 def track_on_optimizer(optimizer: Any, **variables: list) -> None:
     """Makes lists of variables attributes `_tfdist_<name>` of a Keras optimizer.
 

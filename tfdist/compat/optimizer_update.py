@@ -106,6 +106,15 @@ def gradient_sync(strategy: Any, optimizer: Any = None) -> GradientSync | None:
     return None
 
 
+def variable_key(optimizer: Any, variable: Any) -> str:
+    """The key a Keras optimizer files `variable`'s state under (its private `_var_key`).
+
+    The same for the Keras variable and the tf.Variable the update step
+    receives, so a GradientSync can find per-variable state it keeps.
+    """
+    return optimizer._var_key(variable)
+
+
 def sum_duplicate_indices(gradient: Any) -> Any:
     """An IndexedSlices gradient with each index once (its slices summed); others unchanged.
 

@@ -719,11 +719,6 @@ def install() -> None:
         _patch.install(fix)
 
 
-def optimizer_key(optimizer: Any, variable: Any) -> Any:
-    """The key `optimizer` files `variable`'s slots under (Keras's private `_var_key`)."""
-    return optimizer._var_key(variable)
-
-
 def placed_bytes(variable: Any, strategy: Any) -> list[tuple[str, int]]:
     """(device, bytes) of every piece of storage behind a Keras (or TF) variable.
 

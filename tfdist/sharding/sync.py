@@ -181,7 +181,7 @@ class ShardedSync(optimizer_update.GradientSync):
             graph = tf.compat.v1.get_default_graph()
             first_op = len(graph.get_operations()) if not tf.executing_eagerly() else 0
             with tf.device(state_device):
-                shard = _ParameterShard(key=variables_lib.optimizer_key(optimizer, variable),
+                shard = _ParameterShard(key=optimizer_update.variable_key(optimizer, variable),
                                         block=tf.identity(block), name=variable.name)
                 optimizer.update_step(gradient, shard, learning_rate)
                 updated = shard.value()
