@@ -70,8 +70,6 @@ def _is_embedding_table(path: str) -> bool:
 
 def measure(family, one, mirrored, synced, *, unfixed=False,
             measures=("sgd", "adam")) -> dict:
-    import tfdist
-
     def distributed_fit(strategy, **kwargs):
         if unfixed:  # the reference's opt-in reinstalls the update hook: remove it again
             from tfdist.compat import _patch

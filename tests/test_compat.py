@@ -114,3 +114,47 @@ def test_tfdist_strategies_get_their_own_keys_and_users_strategies_keep_tensorfl
     assert len(set(bases)) == len(bases) and 0 not in bases
     assert tf.distribute.MirroredStrategy._collective_key_base == 0
     assert tf.distribute.MirroredStrategy(["/cpu:0"]).extended._collective_key_base == 0
+
+
+_INSTALL_ALL = r"""
+import importlib, inspect, json, pkgutil, warnings
+warnings.simplefilter("error", RuntimeWarning)  # a preset's "could not make ... safe" fails
+import tfdist
+import tfdist.compat
+from tfdist.compat import _patch
+
+tfdist.make_strategy("multi_worker_mirrored")  # one worker: installs the Keras file fixes
+failed, modules = {}, []
+for info in pkgutil.iter_modules(tfdist.compat.__path__):
+    if info.name.startswith("_"):
+        continue
+    install = getattr(importlib.import_module("tfdist.compat." + info.name), "install", None)
+    if install is None or any(p.default is p.empty for p in
+                              inspect.signature(install).parameters.values()):
+        continue  # installed by a preset with arguments (ps_fit, ps_recovery)
+    modules.append(info.name)
+    try:
+        install()
+    except Exception as e:
+        failed[info.name] = f"{type(e).__name__}: {e}"
+print("RESULT " + json.dumps({"failed": failed, "modules": modules,
+                              "installed": list(_patch.installed())}))
+"""
+
+
+def test_every_fix_installs_on_this_tensorflow_keras_pair():
+    # The oldest-pair CI stage runs this: a fix whose target moved between Keras versions
+    # (keras_files.export: saved_model_export_archive exists from Keras 3.14 only) would
+    # otherwise be refused with a warning and leave that version without the fix.
+    import json
+
+    from tfdist.compat import keras_files
+
+    result = run_python("-c", _INSTALL_ALL, timeout=180)
+    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(lines[-1][len("RESULT "):])
+    assert report["failed"] == {}, report["failed"]
+    assert {"keras_files", "batch_norm", "optimizer_update", "ps_variables"} <= set(
+        report["modules"]), report["modules"]
+    assert set(keras_files.NAMES) <= set(report["installed"]), report["installed"]

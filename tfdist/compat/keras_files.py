@@ -42,7 +42,7 @@ plain Keras are untouched.
 | save_model | `saving_lib.save_model` | `model.save("*.keras")`, `keras.saving.save_model`, ModelCheckpoint |
 | save_weights | `saving_lib.save_weights_only` | `model.save_weights`, ModelCheckpoint(save_weights_only=True) |
 | save_model_to_hdf5 | `legacy_h5_format.save_model_to_hdf5` | `model.save("*.h5")` |
-| export | `SavedModelExportArchive.write_out` | `model.export`, `keras.export.ExportArchive` |
+| export | `SavedModelExportArchive.write_out` (Keras 3.14+), `ExportArchive.write_out` (3.10-3.13) | `model.export`, `keras.export.ExportArchive` |
 | tensorboard.* | `TensorBoard.set_model`, `.on_train_end` | event files, profiles, projector config |
 | csv_logger | `CSVLogger.on_train_begin` | the CSV file |
 | backup_and_restore.* | `BackupAndRestore._save_model`, `.on_train_begin`, `.on_train_end` | the chief writes and deletes the backup, every worker restores the chief's copy |
@@ -267,8 +267,12 @@ def _legacy_h5():
 
 def _export_archive_class():
     import_tensorflow()
-    from keras.src.export.saved_model_export_archive import SavedModelExportArchive
+    try:  # Keras 3.14+: one archive class per backend
+        from keras.src.export.saved_model_export_archive import SavedModelExportArchive
+    except ModuleNotFoundError:  # Keras 3.10-3.13: ExportArchive writes the SavedModel itself
+        from keras.src.export.saved_model import ExportArchive
 
+        return ExportArchive
     return SavedModelExportArchive
 
 

@@ -28,7 +28,6 @@ replica r runs stage k on devices[r*K + k].
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Literal, Mapping, Sequence
 
 import numpy as np
