@@ -26,10 +26,25 @@ tf_keras sum duplicate indices first (`_deduplicate_indexed_slices`); so
 does tfdist, after the all-reduce. Gradients that arrive dense (an embedding
 tied to an output layer) are left alone. The public single-device opt-in is
 `tfdist.sum_duplicate_sparse_gradients(optimizer)` (tfdist/numerics.py).
+
+A second fix moves gradient clipping after the all-reduce. Keras 3's
+`BaseOptimizer.apply` clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
+`_clip_gradients` before `_backend_update_step`, so under a strategy each
+replica clips its own share and the shares are summed: with 2 replicas the
+update is neither one device's nor bounded by the clip (tests/test_clipping.py's
+negative control: a user's own MirroredStrategy). The TensorFlow team's
+view, when tf.keras 2.2 refused clipping under strategies for this reason
+(tensorflow/tensorflow#33929; also #25806): clipping after aggregation is
+"usually right & what people expect"; keras-team/keras#20585 tracks Keras 3
+under tf.distribute. Under a strategy tfdist made with more than one replica whose
+GradientSync returns whole gradients, `_clip_gradients` passes the
+gradients through unchanged and the update step clips the summed ones with
+Keras's own `_clip_gradients`; everywhere else Keras's code runs.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -47,6 +62,12 @@ class GradientSync:
     Subclasses override `reduce` (what crosses the wire) and/or `apply` (how
     the reduced gradients update the variables). Both run in replica context.
     """
+
+    #: `reduce` returns every variable's whole summed gradient, so clipping
+    #: (clipnorm, global_clipnorm, clipvalue) runs on it as on one device.
+    #: False for syncs that hand each replica a shard (Keras's per-replica
+    #: clipping then stays).
+    reduces_whole_gradients = True
 
     def reduce(self, optimizer: Any, grads_and_vars: GradsAndVars,
                keras_all_reduce: Callable[[GradsAndVars], GradsAndVars]) -> GradsAndVars:
@@ -104,6 +125,19 @@ def gradient_sync(strategy: Any, optimizer: Any = None) -> GradientSync | None:
         if optimizer is not None and optimizer in _opted_in:
             return DEFAULT_SYNC
     return None
+
+
+def clips_after_reduce(optimizer: Any) -> bool:
+    """True if `optimizer`'s gradients are clipped after the all-reduce (see the module doc).
+
+    Only under a strategy tfdist made, with more than one replica, whose
+    GradientSync returns whole gradients; False for every other optimizer.
+    """
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    if not _owner.owns(strategy) or strategy.num_replicas_in_sync < 2:
+        return False
+    sync = gradient_sync(strategy, optimizer)
+    return sync is not None and sync.reduces_whole_gradients
 
 
 def variable_key(optimizer: Any, variable: Any) -> str:
@@ -168,6 +202,10 @@ def _make(original):
                      for v in trainable_variables]
         grads_and_vars = sync.reduce(self, list(zip(grads, variables)),
                                      self._all_reduce_sum_gradients)
+        clip = _deferred_clip(self)
+        if clip is not None:  # the clip_gradients fix let this replica's share through
+            reduced = list(grads_and_vars)
+            grads_and_vars = list(zip(clip([g for g, _ in reduced]), [v for _, v in reduced]))
 
         def keras_apply(reduced, lr):
             tf.__internal__.distribute.interim.maybe_merge_call(
@@ -187,7 +225,67 @@ FIX = _patch.Fix(
     make=_make,
 )
 
+CLIP_ISSUE = ("keras-team/keras#20585 (Keras 3 under tf.distribute); tensorflow/tensorflow#33929 "
+              "and #25806 (gradients clipped per replica before aggregation)")
+
+
+def _clip_target():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    from keras.src.optimizers import base_optimizer
+
+    return base_optimizer.BaseOptimizer, "_clip_gradients"
+
+
+def _clip_check(original) -> None:
+    import inspect
+
+    from keras.src.optimizers import base_optimizer
+
+    _patch.require_signature(original, "grads", what="BaseOptimizer._clip_gradients")
+    options = inspect.signature(base_optimizer.BaseOptimizer.__init__).parameters
+    missing = [name for name in ("clipnorm", "global_clipnorm", "clipvalue") if name not in options]
+    if missing:
+        raise _patch.CompatError(
+            f"BaseOptimizer.__init__ has no {', '.join(missing)}; the tfdist clipping fix was "
+            "written for Keras optimizers that clip by clipnorm, global_clipnorm and clipvalue. "
+            "See tfdist.compat.SUPPORTED for the tested versions.")
+
+
+# Per thread (MirroredStrategy traces each replica in its own thread): optimizer id ->
+# Keras's clipping, bound to the optimizer, that `_clip_gradients` deferred in this step.
+_pending = threading.local()
+
+
+def _deferred_clip(optimizer: Any) -> Callable[[list], list] | None:
+    return getattr(_pending, "clips", {}).pop(id(optimizer), None)
+
+
+def _make_clip(original):
+    def _clip_gradients(self, grads):
+        clips = _pending.__dict__.setdefault("clips", {})
+        clips.pop(id(self), None)
+        if not clips_after_reduce(self):
+            return original(self, grads)
+        clips[id(self)] = lambda reduced: original(self, reduced)
+        return grads  # clipped after the all-reduce, in _backend_update_step
+
+    return functools.wraps(original)(_clip_gradients)
+
+
+CLIP_FIX = _patch.Fix(
+    name="optimizer_update.clip_gradients",
+    issue=CLIP_ISSUE,
+    target=_clip_target,
+    check=_clip_check,
+    make=_make_clip,
+)
+
 
 def install() -> bool:
-    """Routes the optimizer update of tfdist's strategies through their GradientSync."""
-    return _patch.install(FIX)
+    """Routes the optimizer update of tfdist's strategies through their GradientSync.
+
+    Also installs the clipping fix (clip after the all-reduce); both or neither.
+    """
+    return bool(_patch.install_all((FIX, CLIP_FIX)))

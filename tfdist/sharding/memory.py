@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from tfdist.compat import optimizer_update
 
 
@@ -59,14 +61,22 @@ def state_bytes(model: Any) -> dict[str, dict[str, int]]:
     return out
 
 
-def reduced_gradient_bytes(gradients) -> int:
-    """Bytes of these (traced) gradient tensors: values and indices of IndexedSlices."""
+def reduced_gradient_bytes(grads_and_vars) -> int:
+    """Bytes of these (traced) gradient tensors: values and indices of IndexedSlices.
+
+    A sparse gradient's row count is known only when the step runs (an
+    Embedding's reduced IndexedSlices); it is counted at its variable's dense
+    size, the most its values can take.
+    """
     total = 0
-    for gradient in gradients:
+    for gradient, variable in grads_and_vars:
         if gradient is None:
             continue
-        parts = ((gradient.values, gradient.indices)
-                 if hasattr(gradient, "values") and hasattr(gradient, "indices") else (gradient,))
+        sparse = hasattr(gradient, "values") and hasattr(gradient, "indices")
+        parts = (gradient.values, gradient.indices) if sparse else (gradient,)
+        if sparse and any(p.shape.num_elements() is None for p in parts):
+            total += int(np.prod(tuple(variable.shape))) * gradient.values.dtype.size
+            continue
         for part in parts:
             elements = part.shape.num_elements()
             if elements is None:
@@ -94,7 +104,7 @@ class RecordingSync(optimizer_update.GradientSync):
         reduced = optimizer_update.DEFAULT_SYNC.reduce(optimizer, grads_and_vars,
                                                       keras_all_reduce)
         device = self._devices[sharding_collectives.local_replica_id()]
-        self.traced_gradient_bytes[device] = reduced_gradient_bytes(g for g, _ in reduced)
+        self.traced_gradient_bytes[device] = reduced_gradient_bytes(reduced)
         return reduced
 
 

@@ -91,6 +91,10 @@ class ShardedSync(optimizer_update.GradientSync):
         sharded updates were placed on each device (with offload: the host).
     """
 
+    # Each replica updates its shard only: Keras's own clipping (per replica, before the
+    # reduce) stays; docs/sharding.md says so.
+    reduces_whole_gradients = False
+
     def __init__(self, strategy: Any, plan: Any):
         self._strategy = weakref.ref(strategy)
         self.plan = plan
@@ -146,8 +150,9 @@ class ShardedSync(optimizer_update.GradientSync):
             for i, shard in zip(scatter, tf.split(mine, [l.shard_size for l in layouts])):
                 out[i] = shard
 
-        self._record(out)
-        return [(g, v) for g, (_, v) in zip(out, pairs)]
+        result = [(g, v) for g, (_, v) in zip(out, pairs)]
+        self._record(result)
+        return result
 
     def apply(self, optimizer, grads_and_vars, learning_rate, keras_apply):
         tf = import_tensorflow()
@@ -218,11 +223,11 @@ class ShardedSync(optimizer_update.GradientSync):
                     where = SCALAR_READS
                 seen[where] = seen.get(where, 0) + 1
 
-    def _record(self, gradients) -> None:
+    def _record(self, grads_and_vars) -> None:
         from tfdist.sharding import memory
 
         replica = collectives.local_replica_id()
-        total = memory.reduced_gradient_bytes(gradients)
+        total = memory.reduced_gradient_bytes(grads_and_vars)
         with self._lock:
             self.traced_gradient_bytes[self.plan.local_devices[replica]] = total
 
