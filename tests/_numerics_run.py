@@ -139,7 +139,10 @@ def make_optimizer(name, lr):
             "adam": lambda: keras.optimizers.Adam(lr),
             "adamw": lambda: keras.optimizers.AdamW(lr, weight_decay=0.01),
             "rmsprop": lambda: keras.optimizers.RMSprop(lr),
-            "adagrad": lambda: keras.optimizers.Adagrad(lr)}[name]()
+            "adagrad": lambda: keras.optimizers.Adagrad(lr),
+            # 3 steps: one update, then one micro-step left in the accumulators.
+            "adam_accumulate": lambda: keras.optimizers.Adam(lr, gradient_accumulation_steps=2),
+            }[name]()
 
 
 def train(strategy, build, data, *, optimizer="sgd", lr=0.05, summed=False, seed=1,
@@ -353,6 +356,20 @@ def worker(out: str) -> dict:
         summed = train(one, embedding_model, tokens, optimizer=opt, lr=0.1, summed=True,
                        weights=initial)
         results[f"{opt}_workers_vs_summed"] = max_difference(distributed, summed)
+    import numpy as np
+
+    # Gradient accumulation (keras-team/keras#20582 fails under any MirroredStrategy): every
+    # variable, the accumulators included, equals one device's; each worker's state is saved.
+    accumulated = train(strategy, embedding_model, tokens, optimizer="adam_accumulate", lr=0.1,
+                        weights=initial)
+    reference = train(one, embedding_model, tokens, optimizer="adam_accumulate", lr=0.1,
+                      weights=initial)
+    results["accumulate_vs_one_device"] = max_difference(
+        _state(accumulated), _state(reference))
+    results["accumulate_vs_not_accumulating"] = max_difference(
+        accumulated.get_weights(), train(one, embedding_model, tokens, optimizer="adam", lr=0.1,
+                                         weights=initial).get_weights())
+    np.savez(os.path.join(out, f"accumulate_{task}.npz"), *_state(accumulated))
     # Negative control: per-worker statistics (sync off) without the fix: each worker
     # keeps its own moving statistics.
     from tfdist.compat import _patch
@@ -410,6 +427,14 @@ def parameter_server() -> dict:
     results["ps_vs_one_device"] = max_difference(model, reference)
     results["moving_mean_moved"] = float(abs(reference.layers[1].moving_mean.numpy()).max())
     return results
+
+
+def _state(model):
+    """The model's weights and every optimizer variable (slots, accumulators, iterations)."""
+    import numpy as np
+
+    return ([np.asarray(w) for w in model.get_weights()]
+            + [np.asarray(v) for v in model.optimizer.variables])
 
 
 def _save_weights(model, path):

@@ -168,6 +168,10 @@ def test_two_workers(tmp_path):
         assert r["conv_sync_vs_one_device"] <= 1e-5
         for opt in SPARSE:
             assert r[f"{opt}_workers_vs_summed"] <= 1e-5, (opt, r)
+        # Gradient accumulation: one device's state (slots, accumulators mid-accumulation),
+        # and the accumulation is active (far from the run without it).
+        assert r["accumulate_vs_one_device"] <= 1e-5, r
+        assert r["accumulate_vs_not_accumulating"] > 1e-3, r
 
     def weights(name):
         return [[a for _, a in sorted(np.load(tmp_path / f"{name}_{i}.npz").items(),
@@ -181,6 +185,12 @@ def test_two_workers(tmp_path):
     # ... and the model saved to one path on both workers loads with exactly them.
     saved = keras.saving.load_model(tmp_path / "bn_default.keras").get_weights()
     for a, b in zip(saved, w0):
+        np.testing.assert_array_equal(a, b)
+    # Both workers hold the same accumulated state, bit for bit.
+    a0, a1 = [[a for _, a in sorted(np.load(tmp_path / f"accumulate_{i}.npz").items(),
+                                    key=lambda kv: int(kv[0].split("_")[1]))] for i in (0, 1)]
+    assert len(a0) == len(a1) > 0
+    for a, b in zip(a0, a1):
         np.testing.assert_array_equal(a, b)
     # Without the fix, the workers' statistics differ.
     u0, u1 = weights("bn_unfixed")

@@ -40,6 +40,27 @@ under tf.distribute. Under a strategy tfdist made with more than one replica who
 GradientSync returns whole gradients, `_clip_gradients` passes the
 gradients through unchanged and the update step clips the summed ones with
 Keras's own `_clip_gradients`; everywhere else Keras's code runs.
+
+A third fix makes `gradient_accumulation_steps` train under tfdist's mirrored
+strategies (keras-team/keras#20582, open: "the conditional in the gradient
+accumulation precludes its usage under a distributed strategy"). Keras's
+`BaseOptimizer._backend_apply_gradients` runs `ops.cond(is_update_step, update,
+accumulate)` in replica context, and both branches reach a `merge_call`
+(the all-reduce, Keras's accumulator update), which TensorFlow refuses inside a
+cond: every MirroredStrategy fails at the first step, tfdist or not. The fix
+does what Keras's own LossScaleOptimizer does with its cond: it all-reduces
+the step's gradients through the strategy's GradientSync in replica context,
+computes `(gradient + accumulated) / steps` and clips it (Keras's own
+clipping) there, then takes the cond in cross-replica context (`merge_call`):
+the update branch runs Keras's weight decay and its cross-replica update
+(`_distributed_tf_update_step`) and zeroes the accumulators, the other adds
+the summed gradients to them. The accumulators hold *summed* gradients, so
+every replica's copy stays identical and a checkpoint taken between updates
+resumes exactly; the price is an all-reduce at every micro-step (as PyTorch
+DDP without `no_sync`), not only at updates. Syncs that apply gradients their
+own way (sharding) are left to Keras's code, which sharding refuses with
+accumulation. An optimizer first built inside a tf.function gets a clear error
+(TensorFlow cannot run that first call's cross-replica update).
 """
 
 from __future__ import annotations
@@ -189,7 +210,7 @@ def _check(original) -> None:
 def _make(original):
     from tfdist._tf import import_tensorflow
 
-    tf = import_tensorflow()
+    import_tensorflow()
     from keras.src import backend
 
     def applies(self, grads, trainable_variables, learning_rate):
@@ -206,15 +227,19 @@ def _make(original):
         if clip is not None:  # the clip_gradients fix let this replica's share through
             reduced = list(grads_and_vars)
             grads_and_vars = list(zip(clip([g for g, _ in reduced]), [v for _, v in reduced]))
-
-        def keras_apply(reduced, lr):
-            tf.__internal__.distribute.interim.maybe_merge_call(
-                self._distributed_tf_update_step, self._distribution_strategy,
-                list(reduced), lr)
-
-        sync.apply(self, grads_and_vars, learning_rate, keras_apply)
+        sync.apply(self, grads_and_vars, learning_rate, functools.partial(_keras_apply, self))
 
     return _backend_update_step
+
+
+def _keras_apply(optimizer: Any, reduced: GradsAndVars, learning_rate: Any) -> None:
+    """Keras's own distributed update (TFOptimizer._distributed_tf_update_step), from a replica."""
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        optimizer._distributed_tf_update_step, optimizer._distribution_strategy,
+        list(reduced), learning_rate)
 
 
 FIX = _patch.Fix(
@@ -283,9 +308,200 @@ CLIP_FIX = _patch.Fix(
 )
 
 
+ACCUMULATE_ISSUE = ("https://github.com/keras-team/keras/issues/20582 (gradient accumulation's "
+                    "cond reaches merge_call under a distribution strategy)")
+
+
+def _accumulate_target():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    from keras.src.optimizers import base_optimizer
+
+    return base_optimizer.BaseOptimizer, "_backend_apply_gradients"
+
+
+def _accumulate_check(original) -> None:
+    import inspect
+
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.optimizers import base_optimizer
+
+    _patch.require_signature(original, "grads", "trainable_variables",
+                             what="BaseOptimizer._backend_apply_gradients")
+    if "gradient_accumulation_steps" not in inspect.signature(
+            base_optimizer.BaseOptimizer.__init__).parameters:
+        raise _patch.CompatError(
+            "BaseOptimizer.__init__ has no gradient_accumulation_steps; the tfdist accumulation "
+            "fix was written for Keras optimizers that accumulate into _accumulated_gradients. "
+            "See tfdist.compat.SUPPORTED for the tested versions.")
+    _patch.require_attributes(
+        base_optimizer.BaseOptimizer, "_get_variable_index", "_clip_gradients",
+        "_update_model_variables_moving_average",
+        "_overwrite_model_variables_with_average_value", what="BaseOptimizer")
+    _patch.require_attributes(tf_optimizer.TFOptimizer, "_apply_weight_decay",
+                              "_all_reduce_sum_gradients", "_distributed_tf_update_step",
+                              what="TFOptimizer")
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    _patch.require_attributes(polymorphic_function, "UnliftedInitializerVariable",
+                              what="tensorflow.python.eager.polymorphic_function")
+
+
+def _built_in_this_trace(strategy: Any, variables: Sequence[Any]) -> bool:
+    """True if `variables` were created inside the tf.function being traced (lazily)."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    return any(isinstance(local, polymorphic_function.UnliftedInitializerVariable)
+               for variable in variables
+               for local in strategy.experimental_local_results(variable))
+
+
+def _accumulates_here(optimizer: Any) -> bool:
+    """True where the accumulation fix replaces Keras's cond (see the module doc)."""
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    if not getattr(optimizer, "gradient_accumulation_steps", None) or not _owner.owns(strategy):
+        return False
+    if not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                 tf.distribute.MultiWorkerMirroredStrategy)):
+        return False
+    sync = gradient_sync(strategy, optimizer)
+    # The update branch runs Keras's own cross-replica update: only for syncs that apply
+    # gradients Keras's way (not sharding's).
+    return (sync is not None and sync.reduces_whole_gradients
+            and type(sync).apply is GradientSync.apply
+            and tf.distribute.get_replica_context() is not None
+            and not tf.distribute.in_cross_replica_context())
+
+
+def _make_accumulate(original):
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    from keras.src import backend, ops
+
+    def applies(self, grads, trainable_variables):
+        return _accumulates_here(self)
+
+    @_patch.passthrough(original, applies)
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        strategy = self._distribution_strategy
+        sync = gradient_sync(strategy, self)
+        steps = self.gradient_accumulation_steps
+        variables = [v.value if isinstance(v, backend.Variable) else v
+                     for v in trainable_variables]
+        accumulators = [self._accumulated_gradients[self._get_variable_index(v)].value
+                        for v in trainable_variables]
+        if _built_in_this_trace(strategy, accumulators):
+            raise ValueError(
+                "gradient_accumulation_steps under a tfdist mirrored strategy: the optimizer "
+                "was built inside the first call of a tf.function (a custom training loop "
+                "calling apply_gradients before the optimizer had variables). TensorFlow "
+                "cannot run that first call's cross-replica update (Keras's own "
+                "LossScaleOptimizer stops the same way). Fix: build the optimizer before the "
+                "loop, under strategy.scope(): optimizer.build(model.trainable_variables). "
+                "(model.fit builds it itself.)")
+        # 1. This micro-step's gradients, summed over replicas (identical on every replica).
+        reduced = [g for g, _ in sync.reduce(self, list(zip(grads, variables)),
+                                             self._all_reduce_sum_gradients)]
+
+        # Keras's update branch, one device's arithmetic: (g + accumulated) / steps, clipped.
+        # Computed in replica context at every micro-step (cheap next to the all-reduce) and
+        # used by the update branch only.
+        combined = [None if g is None else _dense_add(tf, g, acc) / steps
+                    for g, acc in zip(reduced, accumulators)]
+        combined = self._clip_gradients(combined)
+        clip = _deferred_clip(self)  # the clip fix deferred: these are already reduced
+        if clip is not None:
+            combined = clip(combined)
+
+        def in_cross_replica(distribution, reduced, combined):
+            def update():
+                _weight_decay(self, distribution, variables)
+                self._distributed_tf_update_step(
+                    distribution, [(g, v) for g, v in zip(combined, variables) if g is not None],
+                    self.learning_rate)
+                for acc in accumulators:
+                    distribution.extended.update(
+                        acc, lambda a: a.assign(tf.zeros_like(a)), group=False)
+
+            def accumulate():
+                for g, acc in zip(reduced, accumulators):
+                    if g is not None:
+                        distribution.extended.update(acc, _add_into, args=(g,), group=False)
+
+            # In cross-replica context: a cond in replica context may not merge_call.
+            ops.cond((self._iterations + 1) % steps == 0, update, accumulate)
+
+        tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(reduced, combined))
+
+        # Keras's moving average, unchanged (BaseOptimizer._backend_apply_gradients's tail).
+        if self.use_ema:
+            self._update_model_variables_moving_average(self._trainable_variables)
+            if self.ema_overwrite_frequency:
+                ops.cond(
+                    (self.iterations + 1) % self.ema_overwrite_frequency == 0,
+                    lambda: self._overwrite_model_variables_with_average_value(
+                        self._trainable_variables),
+                    lambda: None)
+
+    return _backend_apply_gradients
+
+
+def _weight_decay(optimizer: Any, distribution: Any, variables: list) -> None:
+    """TFOptimizer._apply_weight_decay's update, from cross-replica context (its own merges)."""
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    if optimizer.weight_decay is None:
+        return
+
+    def decay(variable):
+        if optimizer._use_weight_decay(variable):
+            lr = tf.cast(optimizer.learning_rate, variable.dtype)
+            wd = tf.cast(optimizer.weight_decay, variable.dtype)
+            variable.assign_sub(variable * wd * lr)
+
+    for variable in variables:
+        distribution.extended.update(variable, decay, group=False)
+
+
+def _dense_add(tf: Any, gradient: Any, accumulator: Any) -> Any:
+    """accumulator + gradient as a dense tensor (an IndexedSlices gradient scattered in)."""
+    value = tf.convert_to_tensor(accumulator)
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.tensor_scatter_nd_add(value, tf.expand_dims(gradient.indices, -1),
+                                        tf.cast(gradient.values, value.dtype))
+    return value + tf.cast(gradient, value.dtype)
+
+
+def _add_into(accumulator: Any, gradient: Any) -> Any:
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    if isinstance(gradient, tf.IndexedSlices):
+        return accumulator.scatter_add(
+            tf.IndexedSlices(tf.cast(gradient.values, accumulator.dtype), gradient.indices,
+                             gradient.dense_shape))
+    return accumulator.assign_add(tf.cast(gradient, accumulator.dtype))
+
+
+ACCUMULATE_FIX = _patch.Fix(
+    name="optimizer_update.gradient_accumulation",
+    issue=ACCUMULATE_ISSUE,
+    target=_accumulate_target,
+    check=_accumulate_check,
+    make=_make_accumulate,
+)
+
+
 def install() -> bool:
     """Routes the optimizer update of tfdist's strategies through their GradientSync.
 
-    Also installs the clipping fix (clip after the all-reduce); both or neither.
+    Also installs the clipping fix (clip after the all-reduce) and the gradient
+    accumulation fix; all or none.
     """
-    return bool(_patch.install_all((FIX, CLIP_FIX)))
+    return bool(_patch.install_all((FIX, CLIP_FIX, ACCUMULATE_FIX)))
