@@ -69,6 +69,13 @@ def bn_mlp():
                              keras.layers.BatchNormalization(), keras.layers.Dense(1)])
 
 
+def mlp():
+    import keras
+
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
 def conv_bn():
     import keras
 
@@ -142,6 +149,7 @@ def make_optimizer(name, lr):
             "adagrad": lambda: keras.optimizers.Adagrad(lr),
             # 3 steps: one update, then one micro-step left in the accumulators.
             "adam_accumulate": lambda: keras.optimizers.Adam(lr, gradient_accumulation_steps=2),
+            "sgd_clipnorm": lambda: keras.optimizers.SGD(lr, clipnorm=0.05),
             }[name]()
 
 
@@ -317,8 +325,10 @@ def worker(out: str) -> dict:
     """Trains under multi_worker_mirrored, then the single-device references; writes to `out`.
 
     Files: bn_default_<task>.npz / bn_unfixed_<task>.npz (each worker's
-    weights), bn_default.keras (the saved model; every worker saves to that one
-    path), and results_<task>.json with this task's measurements.
+    weights), accumulate_<task>.npz (each worker's state after gradient accumulation),
+    bn_default.keras (the saved model; every worker saves to that one path), and
+    results_<task>.json with this task's measurements (sparse sums, accumulation and
+    clipping against one device, each with its negative control).
     """
     import tfdist
 
@@ -370,10 +380,23 @@ def worker(out: str) -> dict:
         accumulated.get_weights(), train(one, embedding_model, tokens, optimizer="adam", lr=0.1,
                                          weights=initial).get_weights())
     np.savez(os.path.join(out, f"accumulate_{task}.npz"), *_state(accumulated))
+    # Clipping on 2 workers clips the summed gradients, as one device does (optimizer_update's
+    # clip fix); dense gradients (an Embedding's repeated ids clip differently on one device).
+    initial = _initial_weights(mlp)
+    clipped = train(strategy, mlp, dense, optimizer="sgd_clipnorm", lr=0.1, weights=initial)
+    results["clip_vs_one_device"] = max_difference(
+        clipped, train(one, mlp, dense, optimizer="sgd_clipnorm", lr=0.1, weights=initial))
+    results["clip_vs_unclipped"] = max_difference(
+        clipped, train(one, mlp, dense, optimizer="sgd", lr=0.1, weights=initial))
+    from tfdist.compat import _patch, optimizer_update
+
+    _patch.uninstall([optimizer_update.CLIP_FIX.name])  # negative control: Keras's clipping
+    results["clip_unfixed_vs_one_device"] = max_difference(
+        train(strategy, mlp, dense, optimizer="sgd_clipnorm", lr=0.1, weights=initial),
+        train(one, mlp, dense, optimizer="sgd_clipnorm", lr=0.1, weights=initial))
+    optimizer_update.install()
     # Negative control: per-worker statistics (sync off) without the fix: each worker
     # keeps its own moving statistics.
-    from tfdist.compat import _patch
-
     batch_norm.configure(strategy, sync_batch_norm=False)
     _patch.uninstall([batch_norm.REPLICA_STATE_FIX.name])
     _save_weights(train(strategy, bn_mlp, dense), os.path.join(out, f"bn_unfixed_{task}.npz"))

@@ -1,4 +1,5 @@
-"""Pieces several tests build on: a tied-embedding layer and a FLOP count from TF's profiler."""
+"""Pieces several tests build on: a tied-embedding layer, a FLOP count from TF's profiler, and a
+small model with the shapes real ones have."""
 
 from __future__ import annotations
 
@@ -17,6 +18,62 @@ class TiedEmbedding(keras.layers.Embedding):
         if reverse:
             return keras.KerasTensor(tuple(inputs.shape[:-1]) + (self.input_dim,), inputs.dtype)
         return super().compute_output_spec(inputs)
+
+
+class Gated(keras.layers.Layer):
+    """A custom layer holding a nested Dense, its input scaled by a weight of its own."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(units)
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+        self.gate = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="gate")
+
+    def call(self, x):
+        return self.inner(x * self.gate)
+
+
+def embedding_gated_model(vocab: int, length: int, features: int = 6, outputs: int = 3,
+                          seed: int = 7) -> keras.Model:
+    """(ids, features) -> Embedding (sparse gradients) -> Dense -> LayerNormalization -> Gated -> Dense.
+
+    Uncompiled; the same initial weights for the same `seed`.
+    """
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((length,), dtype="int32")
+    extra = keras.Input((features,))
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(vocab, 4)(ids))
+    x = keras.layers.Concatenate()([embedded, extra])
+    x = keras.layers.LayerNormalization()(keras.layers.Dense(16, activation="tanh")(x))
+    return keras.Model([ids, extra], keras.layers.Dense(outputs)(Gated(8)(x)))
+
+
+def tutorial_custom_loop(strategy, model, optimizer, inputs, targets, global_batch: int) -> None:
+    """One epoch of the custom-training tutorial's loop (tensorflow/docs, distribute/custom_training).
+
+    A distributed dataset, `strategy.run` in a tf.function, a per-example MSE scaled by the
+    global batch (`tf.nn.compute_average_loss`), `optimizer.apply_gradients` in each replica.
+    """
+    import tensorflow as tf
+
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((inputs, targets)).batch(global_batch))
+
+    @tf.function
+    def step(batch):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                per_example = tf.reduce_mean(tf.square(model(x, training=True) - y), -1)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        strategy.run(replica_step, args=batch)
+
+    for batch in dataset:
+        step(batch)
 
 
 def profiler_flops(model, spec) -> float:

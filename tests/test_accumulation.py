@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import tfdist
+from tests.shared import embedding_gated_model, tutorial_custom_loop
 
 TOLERANCE = 1e-5  # float32 summation order across 2-4 replicas over 8 steps
 STEPS, GLOBAL_BATCH, VOCAB, LENGTH = 8, 16, 40, 3
@@ -36,27 +37,7 @@ def _data():
 
 
 def _build():
-    import keras
-
-    class Gated(keras.layers.Layer):  # a custom layer holding a nested Dense
-        def __init__(self, units, **kwargs):
-            super().__init__(**kwargs)
-            self.inner = keras.layers.Dense(units)
-
-        def build(self, input_shape):
-            self.inner.build(input_shape)
-            self.gate = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="gate")
-
-        def call(self, x):
-            return self.inner(x * self.gate)
-
-    keras.utils.set_random_seed(7)
-    ids = keras.Input((LENGTH,), dtype="int32")
-    features = keras.Input((6,))
-    embedded = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 4)(ids))
-    x = keras.layers.Concatenate()([embedded, features])
-    x = keras.layers.LayerNormalization()(keras.layers.Dense(16, activation="tanh")(x))
-    return keras.Model([ids, features], keras.layers.Dense(3)(Gated(8)(x)))
+    return embedding_gated_model(VOCAB, LENGTH)
 
 
 OPTIMIZERS = {
@@ -135,7 +116,6 @@ def test_custom_training_loop_accumulates_like_one_device():
     # cross-replica update; stock Keras's LossScaleOptimizer fails there too, with
     # "You must feed a value for placeholder tensor").
     import keras
-    import tensorflow as tf
 
     def train(strategy, build_first=True):
         (ids, features), targets = _data()
@@ -144,23 +124,7 @@ def test_custom_training_loop_accumulates_like_one_device():
             optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=3)
             if build_first:
                 optimizer.build(model.trainable_variables)
-        dataset = strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensor_slices(((ids, features), targets)).batch(GLOBAL_BATCH))
-
-        @tf.function
-        def step(batch):
-            def replica_step(inputs, y):
-                with tf.GradientTape() as tape:
-                    per_example = tf.reduce_mean(tf.square(model(inputs, training=True) - y), -1)
-                    loss = tf.nn.compute_average_loss(per_example,
-                                                      global_batch_size=GLOBAL_BATCH)
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-            strategy.run(replica_step, args=batch)
-
-        for batch in dataset:
-            step(batch)
+        tutorial_custom_loop(strategy, model, optimizer, (ids, features), targets, GLOBAL_BATCH)
         return model.get_weights() + [np.asarray(v) for v in optimizer.variables]
 
     reference = train(_one_device(), build_first=False)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tfdist
+from tests.shared import embedding_gated_model, tutorial_custom_loop
 
 TOLERANCE = 1e-5  # float32 summation order across 2-4 replicas over 8 steps
 STEPS, GLOBAL_BATCH, VOCAB, LENGTH = 8, 16, 16 * 8 * 2, 1
@@ -37,28 +38,7 @@ def _data():
 
 
 def _build(optimizer):
-    import keras
-
-    class Gated(keras.layers.Layer):  # a custom layer holding a nested Dense
-        def __init__(self, units, **kwargs):
-            super().__init__(**kwargs)
-            self.inner = keras.layers.Dense(units)
-
-        def build(self, input_shape):
-            self.inner.build(input_shape)
-            self.gate = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="gate")
-
-        def call(self, x):
-            return self.inner(x * self.gate)
-
-    keras.utils.set_random_seed(7)
-    ids = keras.Input((LENGTH,), dtype="int32")
-    features = keras.Input((6,))
-    embedded = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 4)(ids))
-    x = keras.layers.Concatenate()([embedded, features])
-    x = keras.layers.LayerNormalization()(keras.layers.Dense(16, activation="tanh")(x))
-    outputs = keras.layers.Dense(3)(Gated(8)(x))
-    model = keras.Model([ids, features], outputs)
+    model = embedding_gated_model(VOCAB, LENGTH)
     model.compile(optimizer, "mse")
     return model
 
@@ -110,30 +90,13 @@ def test_custom_training_loop_clips_like_one_device():
     # The custom-training tutorial's loop: strategy.run, a loss scaled by the global batch,
     # optimizer.apply_gradients in each replica.
     import keras
-    import tensorflow as tf
 
     def train(strategy):
         (ids, features), targets = _data()
         with strategy.scope():
             model = _build(keras.optimizers.SGD(0.1, clipnorm=0.05))
-            optimizer = model.optimizer
-        dataset = strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensor_slices(((ids, features), targets)).batch(GLOBAL_BATCH))
-
-        @tf.function
-        def step(batch):
-            def replica_step(inputs, y):
-                with tf.GradientTape() as tape:
-                    per_example = tf.reduce_mean(tf.square(model(inputs, training=True) - y), -1)
-                    loss = tf.nn.compute_average_loss(per_example,
-                                                      global_batch_size=GLOBAL_BATCH)
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-            strategy.run(replica_step, args=batch)
-
-        for batch in dataset:
-            step(batch)
+        tutorial_custom_loop(strategy, model, model.optimizer, (ids, features), targets,
+                             GLOBAL_BATCH)
         return model.get_weights()
 
     reference = train(_one_device())

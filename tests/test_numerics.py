@@ -172,6 +172,10 @@ def test_two_workers(tmp_path):
         # and the accumulation is active (far from the run without it).
         assert r["accumulate_vs_one_device"] <= 1e-5, r
         assert r["accumulate_vs_not_accumulating"] > 1e-3, r
+        # Clipping (clipnorm) clips the summed gradients as one device, and is active.
+        assert r["clip_vs_one_device"] <= 1e-5, r
+        assert r["clip_vs_unclipped"] > 1e-3, r
+        assert r["clip_unfixed_vs_one_device"] > 1e-3, r  # Keras's per-worker clipping
 
     def weights(name):
         return [[a for _, a in sorted(np.load(tmp_path / f"{name}_{i}.npz").items(),
