@@ -354,6 +354,12 @@ def test_bad_input_is_a_clear_error(strategy, data):
         tfdist.PerWorkerDataset(tf.data.Dataset.range(3))
     with pytest.raises(ValueError, match=r"must return a tf.data.Dataset. Received: list"):
         tfdist.PerWorkerDataset(lambda ctx: [1, 2])
+    # Gradient accumulation: asynchronous workers would share one set of accumulators.
+    with strategy.scope():
+        model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), "mse")
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 is not supported under "
+                                         r"tfdist's parameter_server preset.*Fix: drop"):
+        model.fit(_dataset_fn(data), steps_per_epoch=1, verbose=0)
     # compile outside the scope: the new optimizer cannot live on the ps.
     model.compile(keras.optimizers.SGD(0.1), "mse")
     with pytest.raises(ValueError, match=r"inside `with strategy.scope\(\):`"):

@@ -377,6 +377,35 @@ def _accumulates_here(optimizer: Any) -> bool:
             and not tf.distribute.in_cross_replica_context())
 
 
+def refuse_accumulation_under_parameter_server(optimizer: Any) -> None:
+    """Raises a clear ValueError for an accumulating optimizer under tfdist's parameter_server.
+
+    Called where `fit` builds the model (tfdist/ps/trainer.py) and, for custom
+    loops, where the update runs.
+    """
+    if _refused_here(optimizer):
+        raise ValueError(
+            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} is not "
+            "supported under tfdist's parameter_server preset: its workers train "
+            "asynchronously and would share one set of accumulators on the parameter servers, "
+            "so no update would be the mean of a defined set of micro-steps (and Keras's own "
+            "accumulation fails there, keras-team/keras#20582). Fix: drop "
+            "gradient_accumulation_steps and raise the global batch size, or train with the "
+            "mirrored or multi_worker_mirrored preset, where accumulation works as on one "
+            "device.")
+
+
+def _refused_here(optimizer: Any) -> bool:
+    """True for an accumulating optimizer under tfdist's parameter_server preset."""
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    return bool(getattr(optimizer, "gradient_accumulation_steps", None)
+                and _owner.owns(strategy)
+                and isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy))
+
+
 def _make_accumulate(original):
     from tfdist._tf import import_tensorflow
 
@@ -384,10 +413,11 @@ def _make_accumulate(original):
     from keras.src import backend, ops
 
     def applies(self, grads, trainable_variables):
-        return _accumulates_here(self)
+        return _accumulates_here(self) or _refused_here(self)
 
     @_patch.passthrough(original, applies)
     def _backend_apply_gradients(self, grads, trainable_variables):
+        refuse_accumulation_under_parameter_server(self)
         strategy = self._distribution_strategy
         sync = gradient_sync(strategy, self)
         steps = self.gradient_accumulation_steps

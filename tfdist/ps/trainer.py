@@ -43,7 +43,7 @@ import weakref
 from typing import Any, Callable
 
 from tfdist._tf import import_tensorflow
-from tfdist.compat import ps_keras
+from tfdist.compat import optimizer_update, ps_keras
 from tfdist.ps import data as data_lib
 
 # Batch-level logs are re-read from the parameter servers at most this often
@@ -179,6 +179,9 @@ class CoordinatorTrainer:
                 f"optimizer {optimizer.name!r} made under "
                 f"{type(ps_keras.optimizer_strategy(optimizer)).__name__}. Call "
                 "model.compile(...) inside `with strategy.scope():`.")
+        if optimizer is not None:
+            optimizer_update.refuse_accumulation_under_parameter_server(
+                getattr(optimizer, "inner_optimizer", optimizer))
         with self.strategy.scope():
             ps_keras.symbolic_build(model, data_lib.element_spec(x))
             if model.optimizer is not None and not model.optimizer.built:
