@@ -150,3 +150,19 @@ def test_without_the_fix_keras_fails_at_the_first_step():
         optimizer_update.install()
     assert optimizer_update.ACCUMULATE_FIX.name in _patch.installed()
     _fit(strategy, "adam", 2)
+
+
+def test_the_fix_refuses_a_keras_shaped_differently(monkeypatch):
+    # The shape check: a different signature, or a Keras without a method the fix calls,
+    # is refused with a CompatError naming it (the preset then warns and installs nothing).
+    from keras.src.optimizers import base_optimizer
+
+    from tfdist.compat import _patch, optimizer_update
+
+    original = base_optimizer.BaseOptimizer._backend_apply_gradients
+    optimizer_update.ACCUMULATE_FIX.check(original)  # today's Keras passes
+    with pytest.raises(_patch.CompatError, match="_backend_apply_gradients"):
+        optimizer_update.ACCUMULATE_FIX.check(lambda self, grads, variables, extra: None)
+    monkeypatch.delattr(base_optimizer.BaseOptimizer, "_use_weight_decay")
+    with pytest.raises(_patch.CompatError, match="_use_weight_decay"):
+        optimizer_update.ACCUMULATE_FIX.check(original)

@@ -337,7 +337,7 @@ def _accumulate_check(original) -> None:
             "See tfdist.compat.SUPPORTED for the tested versions.")
     _patch.require_attributes(
         base_optimizer.BaseOptimizer, "_get_variable_index", "_clip_gradients",
-        "_update_model_variables_moving_average",
+        "_use_weight_decay", "_update_model_variables_moving_average",
         "_overwrite_model_variables_with_average_value", what="BaseOptimizer")
     _patch.require_attributes(tf_optimizer.TFOptimizer, "_apply_weight_decay",
                               "_all_reduce_sum_gradients", "_distributed_tf_update_step",
