@@ -113,6 +113,9 @@ def test_backup_warns_once_when_the_dataset_cannot_resume_exactly(tmp_path):
     from tfdist import checkpoint
 
     checkpoint._warned.clear()
+    # The case is a shuffle with no seed at all: an earlier test in this process may have set
+    # TensorFlow's global seed (keras.utils.set_random_seed), which seeds every later shuffle.
+    tf.random.set_seed(None)
     examples = tf.data.Dataset.from_tensor_slices(np.zeros((8, 3), "float32"))
     backup = tfdist.BackupAndRestore(str(tmp_path))
     with warnings.catch_warnings(record=True) as caught:
