@@ -368,6 +368,8 @@ def worker(out: str) -> dict:
         results[f"{opt}_workers_vs_summed"] = max_difference(distributed, summed)
     import numpy as np
 
+    from tests.shared import model_state as _state
+
     # Gradient accumulation (keras-team/keras#20582 fails under any MirroredStrategy): every
     # variable, the accumulators included, equals one device's; each worker's state is saved.
     accumulated = train(strategy, embedding_model, tokens, optimizer="adam_accumulate", lr=0.1,
@@ -450,14 +452,6 @@ def parameter_server() -> dict:
     results["ps_vs_one_device"] = max_difference(model, reference)
     results["moving_mean_moved"] = float(abs(reference.layers[1].moving_mean.numpy()).max())
     return results
-
-
-def _state(model):
-    """The model's weights and every optimizer variable (slots, accumulators, iterations)."""
-    import numpy as np
-
-    return ([np.asarray(w) for w in model.get_weights()]
-            + [np.asarray(v) for v in model.optimizer.variables])
 
 
 def _save_weights(model, path):

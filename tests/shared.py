@@ -1,5 +1,6 @@
-"""Pieces several tests build on: a tied-embedding layer, a FLOP count from TF's profiler, and a
-small model with the shapes real ones have."""
+"""Pieces several tests build on: a tied-embedding layer, a FLOP count from TF's profiler, a
+small model with the shapes real ones have, the tutorial's custom loop, and comparisons against
+one device."""
 
 from __future__ import annotations
 
@@ -48,6 +49,30 @@ def embedding_gated_model(vocab: int, length: int, features: int = 6, outputs: i
     x = keras.layers.Concatenate()([embedded, extra])
     x = keras.layers.LayerNormalization()(keras.layers.Dense(16, activation="tanh")(x))
     return keras.Model([ids, extra], keras.layers.Dense(outputs)(Gated(8)(x)))
+
+
+def one_device():
+    """The single-device reference strategy (the first CPU)."""
+    import tensorflow as tf
+
+    return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+
+def max_abs_difference(a, b) -> float:
+    """Largest |a - b| over two equally long lists of arrays, in float64."""
+    import numpy as np
+
+    assert len(a) == len(b), (len(a), len(b))
+    return max(float(np.max(np.abs(np.asarray(x, "float64") - np.asarray(y, "float64"))))
+               for x, y in zip(a, b))
+
+
+def model_state(model) -> list:
+    """The model's weights and every optimizer variable (slots, accumulators, iterations)."""
+    import numpy as np
+
+    return ([np.asarray(w) for w in model.get_weights()]
+            + [np.asarray(v) for v in model.optimizer.variables])
 
 
 def tutorial_custom_loop(strategy, model, optimizer, inputs, targets, global_batch: int) -> None:

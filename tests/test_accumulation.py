@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests.shared import embedding_gated_model, tutorial_custom_loop
+from tests.shared import (embedding_gated_model, max_abs_difference as _max_diff,
+                          model_state as _state, one_device as _one_device,
+                          tutorial_custom_loop)
 
 TOLERANCE = 1e-5  # float32 summation order across 2-4 replicas over 8 steps
 STEPS, GLOBAL_BATCH, VOCAB, LENGTH = 8, 16, 40, 3
@@ -59,30 +61,12 @@ def _fit(strategy, optimizer, accumulate):
     return model
 
 
-def _state(model):
-    """Every model and optimizer variable (accumulators, slots, iterations), as NumPy."""
-    return ([np.asarray(v) for v in model.get_weights()]
-            + [np.asarray(v) for v in model.optimizer.variables])
-
-
-def _max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(np.asarray(x, "float64") - np.asarray(y, "float64"))))
-               for x, y in zip(a, b))
-
-
 def _assert_replicas_identical(strategy, model):
     for variable in list(model.variables) + list(model.optimizer.variables):
         copies = strategy.experimental_local_results(variable.value)
         for copy in copies[1:]:
             np.testing.assert_array_equal(np.asarray(copy), np.asarray(copies[0]),
                                           err_msg=variable.path)
-
-
-def _one_device():
-    import tensorflow as tf
-
-    return tf.distribute.OneDeviceStrategy("/cpu:0")
 
 
 @pytest.mark.parametrize("optimizer, accumulate, num_devices", [

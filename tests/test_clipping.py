@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests.shared import embedding_gated_model, tutorial_custom_loop
+from tests.shared import (embedding_gated_model, max_abs_difference as _max_diff,
+                          one_device as _one_device, tutorial_custom_loop)
 
 TOLERANCE = 1e-5  # float32 summation order across 2-4 replicas over 8 steps
 STEPS, GLOBAL_BATCH, VOCAB, LENGTH = 8, 16, 16 * 8 * 2, 1
@@ -54,16 +55,6 @@ def _fit(strategy, optimizer_kwargs, optimizer="sgd"):
     model.fit([ids, features], targets, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
               verbose=0)
     return model.get_weights()
-
-
-def _one_device():
-    import tensorflow as tf
-
-    return tf.distribute.OneDeviceStrategy("/cpu:0")
-
-
-def _max_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda c: next(iter(c)))

@@ -357,33 +357,42 @@ def _built_in_this_trace(strategy: Any, variables: Sequence[Any]) -> bool:
                for local in strategy.experimental_local_results(variable))
 
 
-def _accumulates_here(optimizer: Any) -> bool:
-    """True where the accumulation fix replaces Keras's cond (see the module doc)."""
+def _accumulation_route(optimizer: Any) -> str | None:
+    """Where the accumulation fix takes over from Keras (see the module doc).
+
+    "accumulate": an accumulating optimizer of a tfdist mirrored or
+    multi_worker_mirrored strategy whose sync applies gradients Keras's way
+    (not sharding's), in replica context; "refuse": one of tfdist's
+    parameter_server preset; None: Keras's own code.
+    """
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
     strategy = getattr(optimizer, "_distribution_strategy", None)
     if not getattr(optimizer, "gradient_accumulation_steps", None) or not _owner.owns(strategy):
-        return False
+        return None
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return "refuse"
     if not isinstance(strategy, (tf.distribute.MirroredStrategy,
                                  tf.distribute.MultiWorkerMirroredStrategy)):
-        return False
+        return None
     sync = gradient_sync(strategy, optimizer)
-    # The update branch runs Keras's own cross-replica update: only for syncs that apply
-    # gradients Keras's way (not sharding's).
-    return (sync is not None and sync.reduces_whole_gradients
+    if (sync is not None and sync.reduces_whole_gradients
             and type(sync).apply is GradientSync.apply
             and tf.distribute.get_replica_context() is not None
-            and not tf.distribute.in_cross_replica_context())
+            and not tf.distribute.in_cross_replica_context()):
+        return "accumulate"
+    return None
 
 
 def refuse_accumulation_under_parameter_server(optimizer: Any) -> None:
     """Raises a clear ValueError for an accumulating optimizer under tfdist's parameter_server.
 
     Called where `fit` builds the model (tfdist/ps/trainer.py) and, for custom
-    loops, where the update runs.
+    loops, where the update runs. A LossScaleOptimizer is judged by its inner one.
     """
-    if _refused_here(optimizer):
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if _accumulation_route(optimizer) == "refuse":
         raise ValueError(
             f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} is not "
             "supported under tfdist's parameter_server preset: its workers train "
@@ -395,17 +404,6 @@ def refuse_accumulation_under_parameter_server(optimizer: Any) -> None:
             "device.")
 
 
-def _refused_here(optimizer: Any) -> bool:
-    """True for an accumulating optimizer under tfdist's parameter_server preset."""
-    from tfdist._tf import import_tensorflow
-
-    tf = import_tensorflow()
-    strategy = getattr(optimizer, "_distribution_strategy", None)
-    return bool(getattr(optimizer, "gradient_accumulation_steps", None)
-                and _owner.owns(strategy)
-                and isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy))
-
-
 def _make_accumulate(original):
     from tfdist._tf import import_tensorflow
 
@@ -413,7 +411,7 @@ def _make_accumulate(original):
     from keras.src import backend, ops
 
     def applies(self, grads, trainable_variables):
-        return _accumulates_here(self) or _refused_here(self)
+        return _accumulation_route(self) is not None
 
     @_patch.passthrough(original, applies)
     def _backend_apply_gradients(self, grads, trainable_variables):

@@ -180,8 +180,7 @@ class CoordinatorTrainer:
                 f"{type(ps_keras.optimizer_strategy(optimizer)).__name__}. Call "
                 "model.compile(...) inside `with strategy.scope():`.")
         if optimizer is not None:
-            optimizer_update.refuse_accumulation_under_parameter_server(
-                getattr(optimizer, "inner_optimizer", optimizer))
+            optimizer_update.refuse_accumulation_under_parameter_server(optimizer)
         with self.strategy.scope():
             ps_keras.symbolic_build(model, data_lib.element_spec(x))
             if model.optimizer is not None and not model.optimizer.built:
