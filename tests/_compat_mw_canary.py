@@ -25,7 +25,7 @@ def main() -> int:
     import keras
     import numpy as np
 
-    from tfdist.compat import _patch, keras_multi_worker, optimizer_update
+    from tfdist.compat import _patch, keras_build, keras_multi_worker, optimizer_update
 
     strategy = tfdist.make_strategy("multi_worker_mirrored", join_timeout=120)
     task = os.environ.get("TFDIST_TASK", "") or str(strategy.cluster_resolver.task_id)
@@ -53,7 +53,7 @@ def main() -> int:
 
     tfdist.compat.uninstall()
     attempt("stock")
-    _patch.install(keras_multi_worker.SYMBOLIC_BUILD_FIX)
+    _patch.install(keras_build.SYMBOLIC_BUILD_FIX)
     attempt("symbolic_build_only")
     keras_multi_worker.install()
     optimizer_update.install()

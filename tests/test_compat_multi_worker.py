@@ -1,4 +1,4 @@
-"""tfdist.compat.keras_multi_worker: still needed, shape-checked, pass-through.
+"""tfdist.compat.keras_multi_worker and keras_build: still needed, shape-checked, pass-through.
 
 The canary runs a real 2-worker `fit` (tfdist's launcher, 127.0.0.1) with the
 fixes uninstalled and sees both upstream failures (keras-team/keras#20585).
@@ -16,7 +16,7 @@ import pytest
 
 import tfdist
 from tests.helpers import REPO, alive
-from tfdist.compat import _patch, keras_multi_worker
+from tfdist.compat import _patch, keras_build, keras_multi_worker
 
 
 def _trainer():
@@ -44,7 +44,7 @@ def test_canary_stock_keras_still_fails_two_worker_fit_and_the_fixes_repair_it(t
                  and ": " in line}
         assert "Attempt to convert a value (PerReplica" in lines["stock"], (
             "stock Keras no longer fails 2-worker fit in _maybe_symbolic_build: "
-            f"keras-team/keras#20585 may be fixed; re-check {keras_multi_worker.SYMBOLIC_BUILD}."
+            f"keras-team/keras#20585 may be fixed; re-check {keras_build.SYMBOLIC_BUILD}."
             f"\n{text}")
         assert "Invalid reduction dimension 0" in lines["symbolic_build_only"], (
             "stock Keras no longer reduces scalar logs with axis=0 in multi-worker fit: "
@@ -62,12 +62,12 @@ def test_fixes_install_together_pass_through_and_uninstall():
     trainer = _trainer()
     stock = (trainer.TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica)
     with tfdist.compat.uninstall_after():
-        assert set(keras_multi_worker.install()) == {keras_multi_worker.SYMBOLIC_BUILD,
+        assert set(keras_multi_worker.install()) == {keras_build.SYMBOLIC_BUILD,
                                                      keras_multi_worker.REDUCE_PER_REPLICA}
         assert keras_multi_worker.install() == ()  # idempotent
         assert trainer.reduce_per_replica is not stock[1]
 
-        # Single-machine and users' own strategies take Keras's own path.
+        # On one machine (reduce_per_replica passes through there) mirrored equals plain fit.
         x = np.random.default_rng(0).standard_normal((64, 4)).astype("float32")
         y = x.sum(1, keepdims=True)
 
@@ -91,7 +91,7 @@ def test_a_changed_signature_is_refused_naming_both_shapes():
 
     with pytest.raises(_patch.CompatError, match=r"takes \(iterator\); the tfdist fix was "
                                                  r"written for \(iterator, data_batch\)"):
-        keras_multi_worker.SYMBOLIC_BUILD_FIX.check(other)
+        keras_build.SYMBOLIC_BUILD_FIX.check(other)
     with pytest.raises(_patch.CompatError, match=r"written for \(values, strategy, reduction\)"):
         keras_multi_worker.REDUCE_PER_REPLICA_FIX.check(lambda values, strategy: values)
 
@@ -104,14 +104,14 @@ def test_an_epoch_iterator_that_is_not_a_step_generator_is_refused(monkeypatch):
     trainer = _trainer()
     monkeypatch.setattr(trainer, "TFEpochIterator", Keras35EpochIterator)
     with pytest.raises(_patch.CompatError, match="TFEpochIterator has no __iter__, __next__"):
-        keras_multi_worker.SYMBOLIC_BUILD_FIX.check(
+        keras_build.SYMBOLIC_BUILD_FIX.check(
             trainer.TensorFlowTrainer._maybe_symbolic_build)
 
 
 def test_steps_of_keras_3_10_and_3_11_both_unpack_and_others_are_refused():
     data = iter([1, 2])
-    assert keras_multi_worker._data_iterator((0, data)) is data  # Keras 3.10
-    assert keras_multi_worker._data_iterator((0, 0, data)) is data  # Keras >= 3.11.3
+    assert keras_build._data_iterator((0, data)) is data  # Keras 3.10
+    assert keras_build._data_iterator((0, 0, data)) is data  # Keras >= 3.11.3
     with pytest.raises(_patch.CompatError, match=r"yielded tuple \(0, 1\).*expects a tuple "
                                                  r"ending with the data iterator"):
-        keras_multi_worker._data_iterator((0, 1))
+        keras_build._data_iterator((0, 1))

@@ -129,6 +129,9 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
         from tfdist.compat import optimizer_update
 
         optimizer_update.install()
+        from tfdist.compat import keras_build
+
+        keras_build.install()  # first batch: no reduce (several workers, string/bool inputs)
         from tfdist.compat import batch_norm
 
         # Replica copies of BN statistics stay equal under every tfdist strategy ("auto"
