@@ -9,7 +9,7 @@ fails). docs/compat.md lists them all, with the version matrix.
 
 Nothing outside this package imports `keras.src` / `tensorflow.python` or
 reads private attributes of TensorFlow/Keras objects
-(tests/test_compat_boundary.py checks it).
+(tests/compat/test_boundary.py checks it).
 
     import tfdist
     strategy = tfdist.make_strategy("multi_worker_mirrored")   # installs its fixes

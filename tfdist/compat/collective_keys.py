@@ -20,7 +20,7 @@ defaults. Nothing of TensorFlow's is replaced, so there is nothing to
 uninstall. Shape relied on (checked, `CompatError` otherwise): the
 constructor takes (devices, cross_device_ops), the class has
 `_collective_key_base`, and the constructed strategy's extended object
-recorded the instance's base. The canary (tests/test_compat.py) shows two
+recorded the instance's base. The canary (tests/compat/test_collective_keys.py) shows two
 stock strategies with different device counts still collide.
 """
 

@@ -6,7 +6,7 @@ keras/src/layers/attention/multi_head_attention.py) and has no API to
 replace them. tfdist.split's head-parallel attention swaps each for a
 sharded version; this module is the only place that touches those names and
 Keras's layer tracker. Checked on the versions in `tfdist.compat.TESTED`;
-tests/test_split.py::test_tensor_parallel_attention_heads_equal_unsplit fails
+tests/split/test_split_model.py::test_tensor_parallel_attention_heads_equal_unsplit fails
 if they change.
 """
 

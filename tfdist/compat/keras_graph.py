@@ -7,7 +7,7 @@ step Keras uses to create a variable's TensorFlow storage
 (`Variable._initialize`, keras/src/backend/tensorflow/core.py). Neither has a
 public API; both are read here, behind small named functions, and checked for
 the shape tfdist relies on so that a Keras version that changed them fails
-with a clear message instead of a wrong split (tests/test_split_compat.py).
+with a clear message instead of a wrong split (tests/compat/test_placed_training.py).
 
 Verified on the versions in `tfdist.compat.TESTED`.
 """
@@ -34,7 +34,7 @@ def _require(obj: Any, attributes: tuple[str, ...], what: str) -> None:
         raise KerasInternalsChanged(
             f"{what} has no {', '.join(missing)} in Keras {keras.__version__}; "
             "tfdist.compat.keras_graph needs updating for this version "
-            "(see tests/test_split_compat.py).")
+            "(see tests/compat/test_placed_training.py).")
 
 
 def is_functional(model: Any) -> bool:

@@ -21,7 +21,7 @@ axis=0.
 `install()` is idempotent and is called by the multi_worker_mirrored preset
 (with `keras_build`'s fix), never at `import tfdist`;
 `tfdist.compat.uninstall()` undoes both. The canary,
-tests/test_compat_multi_worker.py, runs a real 2-worker `fit` with the fixes
+tests/compat/test_keras_multi_worker.py, runs a real 2-worker `fit` with the fixes
 uninstalled and sees both failures (so the fixes are still needed).
 """
 

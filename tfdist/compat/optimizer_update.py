@@ -31,7 +31,7 @@ A second fix moves gradient clipping after the all-reduce. Keras 3's
 `BaseOptimizer.apply` clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in
 `_clip_gradients` before `_backend_update_step`, so under a strategy each
 replica clips its own share and the shares are summed: with 2 replicas the
-update is neither one device's nor bounded by the clip (tests/test_clipping.py's
+update is neither one device's nor bounded by the clip (tests/numerics/test_clipping.py's
 negative control: the same tfdist strategy with this fix taken out). The TensorFlow team's
 view, when tf.keras 2.2 refused clipping under strategies for this reason
 (tensorflow/tensorflow#33929; also #25806): clipping after aggregation is

@@ -28,7 +28,7 @@ layers tfdist placed on devices (tfdist.split):
 
 Upstream has no issue for either that we know of; the Keras TF backend's
 `distribution_lib` (which would own this) is marked "DO NOT USE". The
-canaries in tests/test_split_compat.py show both gaps on stock Keras.
+canaries in tests/compat/test_placed_training.py show both gaps on stock Keras.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ How it is built (TensorFlow graph mode, inside Keras's train step):
   penalties (regularizers) added once.
 
 Numbers equal GPipe and the unsplit model up to fp32 summation order
-(tests/test_split_1f1b.py); the peak memory is measured by
+(tests/split/test_one_f_one_b.py); the peak memory is measured by
 `python -m experiments.split_memory`.
 """
 

@@ -24,7 +24,7 @@ attention). Anything else with a sliced input (pooling over the sequence, a
 Reshape, the head) first gathers the full sequence on the first device.
 
 Forward and gradients equal the unsplit model up to fp32 summation order
-(tests/test_split_sequence.py); gradient ops follow their forward ops' devices
+(tests/split/test_sequence_parallel.py); gradient ops follow their forward ops' devices
 (tfdist.compat.placed_training). With replicas=R, devices are R groups of N,
 one MirroredStrategy replica per group (variables mirrored on each group's
 first device).

@@ -1,0 +1,164 @@
+"""One process of tests/compat/test_untouched.py: maybe make a tfdist preset, then train plain Keras.
+
+    python tests/compat/run_untouched.py --preset NAME --out FILE.npz
+    python tests/compat/run_untouched.py --preset none --out FILE.npz   # never imports tfdist
+
+After making the preset (or nothing), the process trains, with no tfdist
+involved, the way users' own code does:
+- a plain model (Embedding with repeated ids, i.e. sparse gradients with
+  duplicate indices; BatchNormalization; Dense; Adam; a metric) with `fit`,
+  `evaluate` and `predict`;
+- the same model with a custom GradientTape loop;
+- the same model under the user's own `tf.distribute.MirroredStrategy` on
+  two logical CPUs, made after tfdist's strategy.
+Every weight, optimizer variable, loss and metric value goes to FILE.npz;
+the test compares them bit for bit with a process that never imported tfdist.
+Initial weights come from a seeded numpy generator, so no random state that
+making a strategy might consume can change them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+VOCAB, FEATURES, N, BATCH = 12, 6, 96, 16
+
+
+def _data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 4, size=(N, 5)).astype("int32")  # few ids: many duplicates
+    x = rng.standard_normal((N, FEATURES)).astype("float32")
+    y = (x.sum(1, keepdims=True) + ids.mean(1, keepdims=True)).astype("float32")
+    return ids, x, y
+
+
+def _model():
+    import keras
+    import numpy as np
+
+    ids = keras.Input((5,), dtype="int32")
+    feats = keras.Input((FEATURES,))
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 3)(ids))
+    h = keras.layers.Concatenate()([embedded, feats])
+    h = keras.layers.Dense(8, activation="relu")(h)
+    h = keras.layers.BatchNormalization()(h)
+    model = keras.Model([ids, feats], keras.layers.Dense(1)(h))
+    rng = np.random.default_rng(42)
+    model.set_weights([(0.3 * rng.standard_normal(w.shape)).astype(w.dtype) if w.ndim > 1
+                       else w for w in model.get_weights()])
+    return model
+
+
+def _state(prefix, model, optimizer, out):
+    for i, w in enumerate(model.get_weights()):
+        out[f"{prefix}/weight{i}"] = w
+    for i, v in enumerate(optimizer.variables):
+        out[f"{prefix}/optimizer{i}"] = v.numpy()
+
+
+def train(out: dict, *, user_mirrored: bool = True) -> None:
+    """Plain Keras and TensorFlow, as a user writes them."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    ids, x, y = _data()
+
+    # 1. compile/fit/evaluate/predict, no strategy.
+    model = _model()
+    optimizer = keras.optimizers.Adam(0.05)
+    model.compile(optimizer, "mse", metrics=["mae"])
+    history = model.fit([ids, x], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for key, values in history.history.items():
+        out[f"fit/history/{key}"] = np.asarray(values)
+    out["fit/evaluate"] = np.asarray(model.evaluate([ids, x], y, batch_size=BATCH, verbose=0))
+    out["fit/predict"] = model.predict([ids, x], batch_size=BATCH, verbose=0)
+    _state("fit", model, optimizer, out)
+
+    # 2. a custom training loop with GradientTape and a metric.
+    model = _model()
+    optimizer = keras.optimizers.Adam(0.05)
+    loss_fn = keras.losses.MeanSquaredError()
+    metric = keras.metrics.Mean()
+
+    @tf.function
+    def step(batch_ids, batch_x, batch_y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(batch_y, model([batch_ids, batch_x], training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        metric.update_state(loss)
+        return loss
+
+    losses = [step(ids[i:i + BATCH], x[i:i + BATCH], y[i:i + BATCH]).numpy()
+              for i in range(0, N, BATCH)]
+    out["loop/losses"] = np.asarray(losses)
+    out["loop/metric"] = np.asarray(metric.result())
+    _state("loop", model, optimizer, out)
+
+    if not user_mirrored:
+        return
+    # 3. the user's own MirroredStrategy, made after tfdist's.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    out["user_mirrored/key_base"] = np.asarray(strategy.extended._collective_key_base)
+    out["user_mirrored/class_key_base"] = np.asarray(
+        tf.distribute.MirroredStrategy._collective_key_base)
+    with strategy.scope():
+        model = _model()
+        optimizer = keras.optimizers.Adam(0.05)
+        model.compile(optimizer, "mse", metrics=["mae"])
+    history = model.fit([ids, x], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for key, values in history.history.items():
+        out[f"user_mirrored/history/{key}"] = np.asarray(values)
+    _state("user_mirrored", model, optimizer, out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no_user_mirrored", action="store_true",
+                        help="skip the user's own MirroredStrategy (see the test for why)")
+    parser.add_argument("--opt_in", action="store_true",
+                        help="negative control: opt the plain optimizers in to tfdist's "
+                             "sparse-gradient fix, which must change the result")
+    args = parser.parse_args()
+    os.environ.pop("TF_CONFIG", None)
+    if args.preset == "none":
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    else:
+        import tfdist
+
+        tfdist.configure_logical_devices(2)
+        options = {"parameter_server": {"local_workers": 1, "local_ps": 2, "shard_count": 2},
+                   "mirrored": {"num_devices": 2}}.get(args.preset, {})
+        strategy = tfdist.make_strategy(args.preset, **options)
+        print("made", type(strategy).__name__, "fixes:", ",".join(tfdist.compat.installed()),
+              flush=True)
+        if args.opt_in:
+            import keras
+
+            from tfdist.compat import optimizer_update
+
+            original_adam = keras.optimizers.Adam
+            keras.optimizers.Adam = lambda *a, **k: optimizer_update.opt_in(
+                original_adam(*a, **k))
+    out: dict = {}
+    train(out, user_mirrored=not args.no_user_mirrored)
+    import numpy as np
+
+    out["tfdist_imported"] = np.asarray("tfdist" in sys.modules)
+    np.savez(args.out, **out)
+    print("saved", len(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
