@@ -257,7 +257,8 @@ def run(quick: bool) -> list[dict]:
         mid = sorted(results[name], key=lambda d: d["samples_per_sec"])[len(results[name]) // 2]
         rows.append(_row(
             f"comm: 2 workers x 1 thread vs 1 worker, MLP 9 MB gradients, {name}", ratio, "x",
-            f"median of {rounds} interleaved rounds ({', '.join(f'{x:.2f}' for x in ratios[name])}); "
+            f"median of {rounds} interleaved rounds "
+            f"({', '.join(f'{x:.2f}' for x in ratios[name])}); "
             f"2 workers x 1 thread, each pinned to its own core, {PER_WORKER_BATCH} per worker; "
             f"{base}; {load}", target=TARGETS.get(name)))
         options = CONFIGS[name]

@@ -73,7 +73,8 @@ def _allreduce_worker(quick: bool, out: str) -> None:
         device = strategy.extended.worker_devices[0]
 
         def replica_fn(x):
-            with tf.device(device):  # in a tf.function the tensor has no device yet
+            # in a tf.function the tensor has no device yet; run in this iteration only
+            with tf.device(device):  # noqa: B023
                 x = tf.identity(x)
             return tf.distribute.get_replica_context().all_reduce("SUM", x)
 
@@ -237,9 +238,11 @@ def run(quick: bool) -> list[dict]:
     one, two = rounds[[two["samples_per_sec"] / one["samples_per_sec"]
                        for one, two in rounds].index(speedups[len(speedups) // 2])]
     rows.append(_row("scaling_1worker_samples_per_sec", one["samples_per_sec"], "samples/s",
-                     f"1 worker x 1 thread (intra 1, inter 1, pinned to one core), batch {PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}"))
+                     f"1 worker x 1 thread (intra 1, inter 1, pinned to one core), batch "
+                     f"{PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}"))
     rows.append(_row("scaling_2workers_samples_per_sec", two["samples_per_sec"], "samples/s",
-                     f"2 workers x 1 thread (intra 1, inter 1), each pinned to its own core, {PER_WORKER_BATCH} per worker"))
+                     f"2 workers x 1 thread (intra 1, inter 1), each pinned to its own core, "
+                     f"{PER_WORKER_BATCH} per worker"))
     comm = alpha + two["gradient_bytes"] * beta
     load = os.getloadavg()[0]
     rows.append(_row("scaling_2workers_vs_1", speedup, "x",

@@ -217,7 +217,8 @@ def _throughput(quick):
         rows.append(_row(
             f"mirrored x{n} logical CPUs / plain fit", _paired_ratio(c, plain), "x", None,
             f"{c.median:,.0f} samples/s; baseline plain fit on 1 device, both with TF's default "
-            f"threads (all cores), steps_per_execution 1; logical CPUs share the physical cores, so no "
+            f"threads (all cores), steps_per_execution 1; logical CPUs share the physical cores, "
+            "so no "
             "speed-up is expected here (a correctness and test tool on CPU)"))
     plain_spe = by_name[f"plain fit, steps_per_execution {SPE}"]
     two_spe = by_name[f"tfdist mirrored x2, steps_per_execution {SPE}"]
@@ -308,7 +309,8 @@ def _mfu(quick):
              f"median of per-round achieved/peak (range {min(per_round):.2f}-"
              f"{max(per_round):.2f}); medians {achieved / 1e9:.0f} GFLOP/s achieved "
              f"(MLP 1024-2048x3-1024, SGD, batch {MFU_BATCH}, {flops / 1e6:.1f} "
-             f"MFLOP/example = 3x forward matmuls) vs {peak / 1e9:.0f} GFLOP/s fp32 matmul peak; planner "
+             f"MFLOP/example = 3x forward matmuls) vs {peak / 1e9:.0f} GFLOP/s fp32 matmul peak; "
+             "planner "
              f"recommended {plan.recommended}"),
         _row("fp32 matmul peak, all cores", peak / 1e9, "GFLOP/s", None,
              "2048x2048 matmul chain in one tf.function; absolute: this machine"),

@@ -184,7 +184,8 @@ def run(quick: bool) -> list[dict]:
     setup = (f"MLP {layers}x Dense({width}) + Dense(16), Adam, global batch {batch}, "
              f"{ready[CONFIGS[0]]['params']} parameters; mirrored on {', '.join(REPLICAS)} "
              f"(logical CPUs; host /cpu:0), intra-op 1 inter-op 2 threads per process; medians "
-             f"of {rounds}x{steps} steps, interleaved; load avg {os.getloadavg()[0]:.1f} at the end")
+             f"of {rounds}x{steps} steps, interleaved; load avg {os.getloadavg()[0]:.1f} at the "
+             "end")
     rows = [{"name": "sharding/step_none", "value": base * 1e3, "unit": "ms", "target": None,
              "ratio": None, "note": setup}]
     replica = None

@@ -36,7 +36,8 @@ def _define_flags():
     if "quick" not in _FLAGS:
         flags.DEFINE_bool("quick", False, "Fewer rounds and repeats (smoke run).")
         flags.DEFINE_string("out", None, "Write the rows as JSON here.")
-        flags.DEFINE_enum("worker", None, ["baseline", "equal", "split"], "Internal: run one worker.")
+        flags.DEFINE_enum("worker", None, ["baseline", "equal", "split"],
+                          "Internal: run one worker.")
         flags.DEFINE_enum("schedule", "free", ["free", "gpipe"], "Pipeline schedule.")
         flags.DEFINE_bool("onednn", True,
                           "Use TensorFlow's default oneDNN kernels; --noonednn runs both workers "
@@ -211,8 +212,8 @@ def run(quick: bool, schedule: str = "free", onednn: bool = True) -> list[dict]:
                 proc.wait()
     base = float(np.median(times["baseline"][1]))
     kernels = "oneDNN" if onednn else "Eigen (TF_ENABLE_ONEDNN_OPTS=0)"
-    note_load = (f"{kernels} kernels; medians of {rounds}x{reps} steps, interleaved; shared 2-core machine"
-                 f" (load avg {os.getloadavg()[0]:.1f} at the end)")
+    note_load = (f"{kernels} kernels; medians of {rounds}x{reps} steps, interleaved; shared "
+                 f"2-core machine (load avg {os.getloadavg()[0]:.1f} at the end)")
     rows = [{"name": "split/unsplit_1thread_step", "value": base * 1e3, "unit": "ms",
              "target": None, "ratio": None,
              "note": f"MLP {LAYERS}x Dense({WIDTH}), batch {BATCH}, intra 1 inter 1; {note_load}"}]
@@ -268,7 +269,8 @@ def run(quick: bool, schedule: str = "free", onednn: bool = True) -> list[dict]:
         rows.append({
             "name": f"split/bubble_M{mb}", "value": 1.0 - speedup / K, "unit": "fraction",
             "target": None, "ratio": None,
-            "note": f"measured 1 - speedup/K; GPipe formula (K-1)/(M+K-1)={bubble_fraction(K, mb):.3f}",
+            "note": (f"measured 1 - speedup/K; GPipe formula "
+                     f"(K-1)/(M+K-1)={bubble_fraction(K, mb):.3f}"),
         })
     return rows
 

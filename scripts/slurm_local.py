@@ -1,8 +1,8 @@
 """A real SLURM on this one machine, for tfdist's tests and for trying the SLURM recipes.
 
-    python scripts/slurm_local.py install     # apt-get the Debian packages if missing (root)
-    python scripts/slurm_local.py up [--nodes=3] [--dir=DIR]   # start; prints `export SLURM_CONF=...`
-    python scripts/slurm_local.py down --dir=DIR               # stop every daemon it started
+    python scripts/slurm_local.py install    # apt-get the Debian packages if missing (root)
+    python scripts/slurm_local.py up [--nodes=3] [--dir=DIR] # start; prints `export SLURM_CONF=...`
+    python scripts/slurm_local.py down --dir=DIR              # stop every daemon it started
 
 Everything lives in one folder (default: a new temporary one): slurm.conf, a
 munge key and socket, state, spool, logs and the daemons' PID files. The

@@ -64,7 +64,7 @@ class Gated(keras.layers.Layer):
 
 def embedding_gated_model(vocab: int, length: int, features: int = 6, outputs: int = 3,
                           seed: int = 7) -> keras.Model:
-    """(ids, features) -> Embedding (sparse gradients) -> Dense -> LayerNormalization -> Gated -> Dense.
+    """(ids, features) -> Embedding (sparse gradients) -> Dense -> LayerNorm -> Gated -> Dense.
 
     Uncompiled; the same initial weights for the same `seed`.
     """
@@ -102,7 +102,7 @@ def model_state(model) -> list:
 
 
 def tutorial_custom_loop(strategy, model, optimizer, inputs, targets, global_batch: int) -> None:
-    """One epoch of the custom-training tutorial's loop (tensorflow/docs, distribute/custom_training).
+    """One epoch of the custom-training tutorial's loop (tensorflow/docs: custom_training).
 
     A distributed dataset, `strategy.run` in a tf.function, a per-example MSE scaled by the
     global batch (`tf.nn.compute_average_loss`), `optimizer.apply_gradients` in each replica.

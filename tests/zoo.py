@@ -19,7 +19,7 @@ random targets). The backbone is nested as one layer, as in KerasHub's task
 models. Nothing is downloaded: the weights are random.
 
 `Family.tags` says what a family contains, so tests can pick or explain:
-  "batchnorm"  BatchNormalization (replica statistics, issue 17 section 1)
+  "batchnorm"  BatchNormalization (replica statistics)
   "embedding"  a gather-based embedding (IndexedSlices gradients, section 2)
   "moe"        mixture of experts with a load-balancing loss on the replica's batch
   "dropout"    randomness in training that a config cannot switch off (MiT)
@@ -323,7 +323,8 @@ MOE_AUX_LOSS_ARGUMENT = {"Mixtral": "router_aux_loss_coef",
                          "Qwen3Moe": "router_aux_loss_coefficient"}
 
 
-def families(*, tags: set[str] | frozenset | None = None, exclude: set[str] | frozenset = frozenset()
+def families(*, tags: set[str] | frozenset | None = None,
+             exclude: set[str] | frozenset = frozenset()
              ) -> list[Family]:
     """The families having all of `tags` and none of `exclude`."""
     return [f for f in FAMILIES.values()

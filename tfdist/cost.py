@@ -228,7 +228,8 @@ class Machine:
 
     def __post_init__(self):
         if not isinstance(self.device, Device):
-            raise ValueError(f"device must be a tfdist.cost.Device. Received: device={self.device!r}")
+            raise ValueError(
+                f"device must be a tfdist.cost.Device. Received: device={self.device!r}")
         _check_positive("num_devices", self.num_devices, integer=True)
         if not isinstance(self.link, Link):
             raise ValueError(f"link must be a tfdist.cost.Link. Received: link={self.link!r}")
@@ -810,7 +811,8 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], num_replicas: int, *,
     """
     _check_positive("num_replicas", num_replicas, integer=True)
     if num_replicas < 2:
-        raise ValueError(f"An all-reduce needs >= 2 replicas. Received: num_replicas={num_replicas}")
+        raise ValueError(
+            f"An all-reduce needs >= 2 replicas. Received: num_replicas={num_replicas}")
     pts = [(float(k), float(t)) for k, t in points]
     if len({k for k, _ in pts}) < 2:
         raise ValueError(
@@ -877,7 +879,7 @@ def micro_batches_for_bubble(stages: int, max_bubble: float) -> int:
 
 
 # --- gradient compression (tfdist.comm) ---------------------------------------------------
-# Added for issue 14 (the comm helper): the bytes each method puts into the all-reduces,
+# The bytes each method puts into the all-reduces,
 # and the alpha-beta time of those all-reduces.
 
 COMPRESSED_BYTES_PER_NUMBER = {"none": 4, "fp16": 2, "bf16": 2, "powersgd": 4}

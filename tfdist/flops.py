@@ -205,7 +205,8 @@ def input_specs(graph, input_shapes=None, *, batch_size: int = 1) -> list:
             raise ValueError(
                 f"Input {name!r} has shape {tuple(shape)}: dimensions besides the batch are "
                 "unknown (e.g. a text model's sequence length), so its costs depend on them. "
-                f"Pass input_shapes={{{name!r}: {tuple(d if d is not None else 128 for d in want)}}}"
+                "Pass input_shapes="
+                f"{{{name!r}: {tuple(d if d is not None else 128 for d in want)}}}"
                 " (CLI: --input_shape=...), with the lengths you train on.")
         specs.append(tf.TensorSpec([batch_size] + want, dtype, name=None))
     return specs

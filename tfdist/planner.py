@@ -538,10 +538,13 @@ def _plan(stats: cost.ModelStats, cluster: cost.Cluster, batch: int,
             candidates.index(c)))
         recommended, recommended_options = best.preset, best.options
         plain = next(c for c in candidates if c.preset == best.preset and not c.options)
-        how = (f"tfdist.split.sequence_parallel(model, devices=<{dict(best.options)['sequence_parallel']} "
-               "devices>) (flag --sequence_parallel)" if "sequence_parallel" in dict(best.options)
-               else f"tfdist.make_strategy({best.preset!r}, "
-               f"{', '.join(f'{k}={v!r}' for k, v in best.options)})")
+        if "sequence_parallel" in dict(best.options):
+            parts = dict(best.options)["sequence_parallel"]
+            how = (f"tfdist.split.sequence_parallel(model, devices=<{parts} devices>) "
+                   "(flag --sequence_parallel)")
+        else:
+            how = (f"tfdist.make_strategy({best.preset!r}, "
+                   f"{', '.join(f'{k}={v!r}' for k, v in best.options)})")
         reasons.append(
             f"{best.preset} does not fit as it is (needs {cost.format_bytes(plain.memory.total)}"
             f" per device of {cost.format_bytes(best.device_memory)}), but with "
@@ -749,7 +752,8 @@ def _nvidia_memory() -> list[int]:
         return []
 
 
-def this_machine(*, device_memory: int | None = None, link: cost.Link | None = None) -> cost.Machine:
+def this_machine(*, device_memory: int | None = None, link: cost.Link | None = None
+                 ) -> cost.Machine:
     """The local machine: its GPUs (memory from nvidia-smi), else one CPU with the RAM.
 
     Raises:

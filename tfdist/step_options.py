@@ -32,8 +32,8 @@ _SYNC_XLA = (
 def check(options: config_lib.StepOptions, strategy: Any) -> None:
     """Raises ValueError for a knob `strategy` cannot run, naming the fix.
 
-    Checked against TensorFlow 2.21 + Keras 3.15 (tests/core/test_step_options.py and tests/comm/test_compression.py
-    trains each combination under mirrored, multi_worker_mirrored and
+    Checked against TensorFlow 2.21 + Keras 3.15 (tests/core/test_step_options.py and
+    tests/comm/test_compression.py trains each combination under mirrored, multi_worker_mirrored and
     parameter_server).
     """
     from tfdist._tf import import_tensorflow

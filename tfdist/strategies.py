@@ -294,7 +294,7 @@ def _multi_worker_mirrored(options: config_lib.MultiWorkerMirroredOptions):
     return multi_worker.build_strategy(options)
 
 
-# --- parameter_server (tfdist/ps.py) --------------------------------------------
+# --- parameter_server (tfdist/ps/) ------------------------------------------------
 
 
 @register_preset(

@@ -73,7 +73,7 @@ def test_sweep_removes_only_scratch_whose_owner_died(tmp_path):
 
 
 def test_scratch_of_a_sigkilled_task_is_removed_by_the_next_one(tmp_path):
-    """Issue 15: chief_path left a tfdist_worker1_* folder after a SIGKILL."""
+    """chief_path used to leave a tfdist_worker1_* folder after a SIGKILL."""
     env = {"TF_CONFIG": _tf_config("worker", 1), chief.SCRATCH_ENV: str(tmp_path)}
     killed = run_python("-c", """
 import os, signal

@@ -1,4 +1,4 @@
-"""The hostile TF_CONFIG corpus (tests/cluster/hostile_tf_config.py) through `--check` and every preset.
+"""The hostile TF_CONFIG corpus (hostile_tf_config.py) through `--check` and every preset.
 
 Every case must end as a clean error or a correct acceptance: no traceback,
 no invalid input accepted quietly, no process lost, no hang. (Two hangs are

@@ -4,6 +4,7 @@ The TensorFlow cross-checks use TF's own TFConfigClusterResolver,
 SlurmClusterResolver and multi_worker_util as the independent reference.
 """
 
+import dataclasses
 import json
 import re
 import socket
@@ -304,8 +305,8 @@ def test_cluster_api():
         c.address("worker", 2)
     with pytest.raises(TFConfigError, match="'master' is the TF 1.x name of 'chief'"):
         c.address("master", 0)
-    with pytest.raises(Exception):
-        c.worker = ()  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.worker = ()
     with pytest.raises(TFConfigError, match="at most one evaluator"):
         Cluster(worker=("a:1",), evaluator=("e:1", "f:1"))
     with pytest.raises(TypeError):

@@ -116,7 +116,7 @@ def main(method):
             else:
                 g = g0 + g1
             weights[i] = weights[i] - g
-        for i, (error, q) in errors.items():
+        for i, (error, _) in errors.items():
             state[i] = [error, state[i][1]]
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
         model.fit(ds, epochs=1, verbose=0, shuffle=False)

@@ -1,4 +1,4 @@
-"""One task of the keras_multi_worker canary (tests/compat/test_keras_multi_worker.py), run by `tfdist launch`.
+"""One task of the keras_multi_worker canary (test_keras_multi_worker.py), run by `tfdist launch`.
 
 Each worker makes the multi_worker_mirrored preset, then fits a small model
 three times under it:

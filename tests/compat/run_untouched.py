@@ -1,4 +1,4 @@
-"""One process of tests/compat/test_untouched.py: maybe make a tfdist preset, then train plain Keras.
+"""One process of test_untouched.py: maybe make a tfdist preset, then train plain Keras.
 
     python tests/compat/run_untouched.py --preset NAME --out FILE.npz
     python tests/compat/run_untouched.py --preset none --out FILE.npz   # never imports tfdist
@@ -132,7 +132,8 @@ def main() -> int:
         import tensorflow as tf
 
         cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     else:
         import tfdist
 

@@ -1,4 +1,4 @@
-"""All private TensorFlow/Keras use lives in tfdist/compat/ (issue 10).
+"""All private TensorFlow/Keras use lives in tfdist/compat/.
 
 An AST scan of every module under tfdist/ outside tfdist/compat/ fails on
 - imports of `keras.src` / `tensorflow.python` (also `tf.python` / `keras.src`

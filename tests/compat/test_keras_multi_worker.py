@@ -32,7 +32,9 @@ def test_canary_stock_keras_still_fails_two_worker_fit_and_the_fixes_repair_it(t
 
     out, err = io.StringIO(), io.StringIO()
     result = launch_lib.launch(
-        [sys.executable, os.path.join(REPO, "tests", "compat", "run_keras_multi_worker_canary.py"), str(tmp_path)],
+        [sys.executable,
+         os.path.join(REPO, "tests", "compat", "run_keras_multi_worker_canary.py"),
+         str(tmp_path)],
         num_workers=2, timeout=240, grace_period=3.0, stdout=out, stderr=err,
         env=dict(os.environ, PYTHONPATH=REPO))
     text = out.getvalue()

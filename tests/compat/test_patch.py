@@ -54,7 +54,8 @@ def test_shape_mismatch_is_refused_and_changes_nothing():
             return x
 
     before = Other.__dict__["method"]
-    with pytest.raises(_patch.CompatError, match=r"takes \(x\); the tfdist fix was written for \(x, y\)"):
+    with pytest.raises(_patch.CompatError,
+                       match=r"takes \(x\); the tfdist fix was written for \(x, y\)"):
         _patch.install(_fix(name="test.other", owner=Other))
     assert Other.__dict__["method"] is before
     assert "test.other" not in _patch.installed()

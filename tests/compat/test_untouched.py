@@ -1,4 +1,4 @@
-"""tfdist changes nothing in a process that it was not asked to change (issue 10).
+"""tfdist changes nothing in a process that it was not asked to change.
 
 - After making each preset in a process, plain Keras code there (fit /
   evaluate / predict, a custom GradientTape loop, a user's own

@@ -52,7 +52,8 @@ def test_mirrored_options_reject_bad_values(kwargs, fragment):
 
 
 def test_mirrored_options_accept_device_spellings():
-    opts = config.MirroredOptions(devices="/cpu:0,/device:CPU:1,/job:localhost/replica:0/task:0/device:CPU:2")
+    opts = config.MirroredOptions(
+        devices="/cpu:0,/device:CPU:1,/job:localhost/replica:0/task:0/device:CPU:2")
     assert len(opts.devices) == 3
     assert config.OneDeviceOptions(device="/gpu:0").device == "/gpu:0"
 

@@ -22,7 +22,7 @@ STARTED = re.compile(r"^\[(\w+:\d+)\] \1 pid=(\d+)$")  # run_ps_job.py's first l
 
 @pytest.fixture(scope="module")
 def reference():
-    """The same training, uninterrupted, as one replica (see tests/multi_worker/test_end_to_end.py)."""
+    """The same training, uninterrupted, as one replica (tests/multi_worker/test_end_to_end.py)."""
     import tfdist
 
     return script.train(tfdist.make_strategy("mirrored", devices=("/cpu:0",)), "tfdata")

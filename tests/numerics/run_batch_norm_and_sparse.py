@@ -1,6 +1,6 @@
-"""Issue 17 §1 (BatchNorm) and §2 (sparse gradients) on 2 logical CPUs, in one fresh process.
+"""BatchNorm replica state and sparse gradients on 2 logical CPUs, in one fresh process.
 
-    python tests/numerics/run_batch_norm_and_sparse.py mirrored      # prints one JSON object of measurements
+    python tests/numerics/run_batch_norm_and_sparse.py mirrored  # one JSON object of measurements
 
 Run by tests/numerics/test_batch_norm_and_sparse.py (which asserts on the numbers) and reusable
 by hand. Every comparison is against an independent run in this process:
@@ -214,7 +214,7 @@ def mirrored() -> dict:
     results["installed"] = list(_patch.installed())
     _lap(results, "start")
 
-    # §1 default: replica copies identical; negative control: the user's own strategy.
+    # BatchNorm, default: replica copies identical; negative control: the user's own strategy.
     dense = dense_data()
     user = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
                                           cross_device_ops=tf.distribute.ReductionToOneDevice())
@@ -242,7 +242,7 @@ def mirrored() -> dict:
                                           tfdist.replica_spread(mixed.optimizer.variables))
     _lap(results, "bn_default")
 
-    # §1 sync_batch_norm = one device with the same global batch.
+    # BatchNorm, sync_batch_norm = one device with the same global batch.
     for name, build in (("bn_mlp", bn_mlp), ("conv", conv_bn),
                         ("mobilenet", mobilenet_v3_small), ("resnet50", resnet50)):
         data = dense if name == "bn_mlp" else images
@@ -262,7 +262,7 @@ def mirrored() -> dict:
         _lap(results, name)
     keras.config.set_dtype_policy("float32")
 
-    # §2: the independent reference (dense twin) and the single-device opt-in.
+    # Sparse gradients: the independent reference (dense twin) and the single-device opt-in.
     tokens = token_data()
     summed_weights = {}
     initial = _initial_weights(embedding_model)

@@ -12,7 +12,7 @@ batch 8 (2 logical CPUs), and
   (`tfdist.sum_duplicate_sparse_gradients`), over all variables and over the
   embedding tables only (Adam turns rounding noise on
   variables whose true gradient is 0 into steps of up to lr, so the sparse
-  fix is judged on the tables, as issue 17 explains);
+  fix is judged on the tables);
 - spread: the largest difference between the two replicas' copies.
 
 `--unfixed` uninstalls tfdist's optimizer-update and BatchNorm fixes first

@@ -1,4 +1,4 @@
-"""Issue 17 §1 and §2: BatchNorm replicas and sparse gradients train like one device.
+"""BatchNorm replicas and sparse gradients train like one device.
 
 The measurements run in fresh processes (tests/numerics/run_batch_norm_and_sparse.py): one on 2
 logical CPUs under `mirrored`, one `tfdist launch` of 2 workers under
@@ -73,7 +73,7 @@ def test_sum_duplicate_sparse_gradients_rejects_a_string():
         tfdist.sum_duplicate_sparse_gradients("adam")
 
 
-# --- §1 BatchNormalization under mirrored -----------------------------------------------
+# --- BatchNormalization under mirrored --------------------------------------------------
 
 
 def test_fixes_are_installed_by_make_strategy(mirrored):
@@ -108,7 +108,7 @@ def test_bn_negative_controls_drift(mirrored):
 @pytest.mark.parametrize("name", ["bn_mlp", "conv", "mobilenet", "resnet50"])
 def test_sync_batch_norm_equals_one_device(mirrored, name):
     # Reference: one device, same initial weights, same global batch (16), SGD.
-    # resnet50 runs in float64 (see run_batch_norm_and_sparse.py: float32 ResNet50 at 32x32 is chaotic).
+    # resnet50 runs in float64 (run_batch_norm_and_sparse.py: float32 ResNet50 at 32x32 is chaotic).
     assert mirrored[f"{name}_sync_vs_one_device"] <= 1e-5
     assert mirrored[f"{name}_sync_spread"] <= 1e-6
 
@@ -119,7 +119,7 @@ def test_without_sync_batch_norm_conv_bn_differs_from_one_device(mirrored):
     assert mirrored["conv_default_vs_one_device"] > 1e-5
 
 
-# --- §2 sparse gradients under mirrored ---------------------------------------------------
+# --- sparse gradients under mirrored ------------------------------------------------------
 
 
 @pytest.mark.parametrize("opt", SPARSE)

@@ -1,4 +1,4 @@
-"""KerasHub models under `mirrored` x2 equal one device (issue 17, the zoo).
+"""KerasHub models under `mirrored` x2 equal one device (the zoo).
 
 A representative subset runs here (one fresh process, 2 logical CPUs): a
 decoder LLM with token and position embeddings (GPT2) and a BatchNorm CNN
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not zoo.AVAILABLE, reason=zoo.SKIP_REASON)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zoo_subset_equals_one_device():
-    proc = run_python(os.path.join(REPO, "tests", "numerics", "run_zoo.py"), "--families", "GPT2,ResNet",
-                      timeout=840)
+    proc = run_python(os.path.join(REPO, "tests", "numerics", "run_zoo.py"),
+                      "--families", "GPT2,ResNet", timeout=840)
     rows = {json.loads(m)["family"]: json.loads(m)
             for m in re.findall(r"^ROW (.*)$", proc.stdout, re.MULTILINE)}
     assert proc.returncode == 0 and set(rows) == {"GPT2", "ResNet"}, \

@@ -46,7 +46,8 @@ def test_run_module_statuses(tmp_path):
 
 
 def test_check_row_rejects_non_numbers():
-    with pytest.raises(ValueError, match=r"m: row 'z' value must be a number\. Received: value='1'"):
+    with pytest.raises(ValueError,
+                       match=r"m: row 'z' value must be a number\. Received: value='1'"):
         benchmark.check_row({"name": "z", "value": "1", "unit": "", "target": None,
                              "ratio": None, "note": ""}, "m")
 

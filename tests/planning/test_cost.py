@@ -73,13 +73,15 @@ def test_link_validation():
     assert _link(2e9).seconds_per_byte == 0.5e-9
     with pytest.raises(ValueError, match=r"bandwidth must be a number > 0\. Received: bandwidth=0"):
         cost.Link(bandwidth=0)
-    with pytest.raises(ValueError, match=r"bandwidth must be a number > 0\. Received: bandwidth=-5"):
+    with pytest.raises(ValueError,
+                       match=r"bandwidth must be a number > 0\. Received: bandwidth=-5"):
         cost.Link(bandwidth=-5)
     with pytest.raises(ValueError, match=r"bandwidth is required\. Received: bandwidth=None"):
         cost.Link(bandwidth=None)
     with pytest.raises(ValueError, match=r"latency must be a number >= 0\. Received: latency=-1"):
         cost.Link(bandwidth=1, latency=-1)
-    with pytest.raises(ValueError, match=r"bandwidth must be a number > 0\. Received: bandwidth='1'"):
+    with pytest.raises(ValueError,
+                       match=r"bandwidth must be a number > 0\. Received: bandwidth='1'"):
         cost.Link(bandwidth="1")
     with pytest.raises(TypeError):
         cost.Link()  # bandwidth is required: missing entirely
@@ -88,7 +90,8 @@ def test_link_validation():
 def test_device_machine_cluster_validation():
     gpu = cost.Device(memory=80 * GB)
     assert gpu.kind == "GPU"
-    with pytest.raises(ValueError, match=r"kind must be 'CPU', 'GPU' or 'TPU'\. Received: kind='NPU'"):
+    with pytest.raises(ValueError,
+                       match=r"kind must be 'CPU', 'GPU' or 'TPU'\. Received: kind='NPU'"):
         cost.Device(kind="NPU", memory=1)
     with pytest.raises(ValueError, match=r"memory must be a number > 0\. Received: memory=0"):
         cost.Device(memory=0)
@@ -198,9 +201,11 @@ def test_replica_memory_rejects(kwargs, message):
 
 
 def test_model_stats_validation():
-    with pytest.raises(ValueError, match=r"num_params must be an integer > 0\. Received: num_params=0"):
+    with pytest.raises(ValueError,
+                       match=r"num_params must be an integer > 0\. Received: num_params=0"):
         cost.ModelStats.from_param_count(0)
-    with pytest.raises(ValueError, match=r"num_params must be an integer > 0\. Received: num_params=1\.5"):
+    with pytest.raises(ValueError,
+                       match=r"num_params must be an integer > 0\. Received: num_params=1\.5"):
         cost.ModelStats.from_param_count(1.5)
     with pytest.raises(ValueError, match=r"activation_bytes_per_example must be an integer >= 0"):
         cost.ModelStats(num_params=1, trainable_bytes=4, activation_bytes_per_example=-1)
@@ -342,7 +347,8 @@ def test_pipeline_rejects():
         cost.pipeline_bubble(stages=2, micro_batches=0)
     with pytest.raises(ValueError, match=r"stages must be an integer > 0"):
         cost.pipeline_speedup(stages=0, micro_batches=2)
-    with pytest.raises(ValueError, match=r"max_bubble must be in \(0, 1\)\. Received: max_bubble=1"):
+    with pytest.raises(ValueError,
+                       match=r"max_bubble must be in \(0, 1\)\. Received: max_bubble=1"):
         cost.micro_batches_for_bubble(2, 1)
 
 

@@ -1,4 +1,4 @@
-"""The cost model against independent measurements (issue 10, issue 17 section 4).
+"""The cost model against independent measurements.
 
 - Memory: TensorFlow's allocator statistics (`get_memory_info`) while a model's
   variables, Adam slots and gradients are created, in a fresh process, against
@@ -125,7 +125,7 @@ def test_forward_flops_match_the_profiler(name, build, shape, spec):
     model = build()
     stats = cost.model_stats(model, input_shapes=shape)
     ratio = stats.forward_flops_per_example / profiler_flops(model, spec)
-    assert 0.95 <= ratio <= 1.05, (name, ratio)  # issue 17 target: 0.6-1.4
+    assert 0.95 <= ratio <= 1.05, (name, ratio)  # the target was 0.6-1.4
     # Per-layer FLOPs add up to the total, and the transformer blocks are seen.
     assert sum(layer.forward_flops for layer in stats.layers) == pytest.approx(
         stats.forward_flops_per_example)

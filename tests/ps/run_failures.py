@@ -11,7 +11,7 @@ Modes (argv[1]):
     2. an exactly-once evaluation ("eval_start"; the test kills worker:1
        during it) -> "eval_done" with the sharded and the exact loss;
     3. epochs until <dir>/phase_c exists (the test restarts and kills
-       workers meanwhile: the overlapping failures of issue 15);
+       workers meanwhile: overlapping failures);
     4. "accounted": iterations vs scheduled steps and the steps reported as
        re-run after writing;
     5. waits for <dir>/all_lost (both workers killed): the next fit fails
@@ -28,7 +28,7 @@ import sys
 import time
 
 import tfdist
-from tests.ps.marked_model import marked_regression  # PYTHONPATH is the repository (the test sets it)
+from tests.ps.marked_model import marked_regression  # the test sets PYTHONPATH to the repository
 
 STARTED = time.monotonic()
 STEPS = 50

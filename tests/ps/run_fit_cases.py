@@ -393,7 +393,7 @@ class _PreprocessingModel:
 
 
 def test_models_that_override_fit_take_a_per_worker_dataset(strategy, data):
-    """Issue 17 §5: a function does not survive such a fit; PerWorkerDataset does."""
+    """A function does not survive such a fit; PerWorkerDataset does."""
     import tensorflow as tf
 
     x, y = data

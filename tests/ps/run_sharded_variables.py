@@ -145,7 +145,8 @@ def tutorial_loop(tf, keras, strategy, x, y, *, steps):
 
     return {
         "loop_iterations": int(optimizer.iterations.numpy()),
-        "loop_accuracy": float(accuracy.result()), "loop_ref_accuracy": float(ref_accuracy.result()),
+        "loop_accuracy": float(accuracy.result()),
+        "loop_ref_accuracy": float(ref_accuracy.result()),
         "loop_max_abs_diff": max_diff(model.get_weights(), ref_model.get_weights()),
         "loop_sharded_slots": sum(isinstance(v.value, ShardedVariable)
                                   for v in optimizer.variables),
@@ -194,11 +195,11 @@ def canaries(tf, keras, strategy):
 
                 @tf.function
                 def step():
-                    def replica():
+                    def replica():  # traced and run in this iteration only
                         with tf.GradientTape() as tape:
-                            loss = tf.reduce_sum(model(x))
-                        grads = tape.gradient(loss, model.trainable_variables)
-                        opt.apply_gradients(zip(grads, model.trainable_variables))
+                            loss = tf.reduce_sum(model(x))  # noqa: B023
+                        grads = tape.gradient(loss, model.trainable_variables)  # noqa: B023
+                        opt.apply_gradients(zip(grads, model.trainable_variables))  # noqa: B023
 
                     strategy.run(replica)
                     return tf.constant(0)

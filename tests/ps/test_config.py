@@ -21,7 +21,8 @@ def test_defaults_and_registry():
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(shard_count=0), r"shard_count must be an integer >= 1\. Received: shard_count=0"),
     (dict(shard_count=-2), r"Received: shard_count=-2"),
-    (dict(min_shard_bytes=0), r"min_shard_bytes must be an integer >= 1\. Received: min_shard_bytes=0"),
+    (dict(min_shard_bytes=0),
+     r"min_shard_bytes must be an integer >= 1\. Received: min_shard_bytes=0"),
     (dict(min_shard_bytes=1024, max_shards=0), r"Received: max_shards=0"),
     (dict(max_shards=2), r"max_shards only bounds min_shard_bytes"),
     (dict(shard_count=2, min_shard_bytes=10), r"either shard_count .* or min_shard_bytes"),
@@ -58,7 +59,7 @@ def test_tf_config_without_ps_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("task_type", ["worker", "ps", "chief"])
 def test_cluster_without_chief_is_a_clear_error_not_a_server_forever(monkeypatch, task_type):
-    """Issue 15: a worker or ps of a cluster with no coordinator used to serve forever."""
+    """A worker or ps of a cluster with no coordinator used to serve forever."""
     cluster = {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
     if task_type == "chief":
         cluster = {"chief": ["127.0.0.1:3"], "ps": ["127.0.0.1:2"]}

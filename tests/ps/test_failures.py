@@ -3,7 +3,7 @@
 1. One chief, 2 workers, 1 ps (tests/ps/run_failures.py, mode "faults"):
    worker:1 killed during an exactly-once evaluation (still exact); worker:1
    killed and restarted twice (it rejoins each time), then killed again and
-   worker:0 killed while worker:1's replacement is starting (issue 15: the
+   worker:0 killed while worker:1's replacement is starting (the
    coordinator used to stall for an hour; now it trains on worker:1, and
    worker:0 rejoins when restarted); every step accounted for exactly
    (iterations == scheduled + re-run steps reported as written twice); both workers

@@ -42,7 +42,7 @@ def test_sharded_fit_matches_unsharded(result):
 
 @pytest.mark.timeout(540)
 def test_tutorial_custom_loop_with_lazy_slots(result):
-    """Issue 10 item 1: slots created inside strategy.run, no optimizer.build()."""
+    """Slots created inside strategy.run, no optimizer.build()."""
     assert result["loop_iterations"] == 40
     assert result["loop_sharded_slots"] >= 2  # the RMSprop slots of the sharded kernels
     # Reference: the same loop, weights and batches with no strategy.

@@ -1,4 +1,4 @@
-"""split_model and the cost model over the KerasHub zoo (tests/zoo.py): the issue-17 counts.
+"""split_model and the cost model over the KerasHub zoo (tests/zoo.py): the counts.
 
     python -m tests.split.run_zoo                      # every family, prints a table and counts
     python -m tests.split.run_zoo GPT2 ResNet ViT      # some families

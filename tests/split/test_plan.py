@@ -1,5 +1,6 @@
 """Plans, rules, balancing arithmetic, options and flags: no TensorFlow runtime needed."""
 
+import dataclasses
 import json
 
 import pytest
@@ -32,7 +33,7 @@ def test_plan_stages_are_runs_in_order():
 
 def test_plan_is_frozen_and_replace_returns_new_plan():
     plan = Plan.from_dict({"a": "/cpu:0", "b": "/cpu:1"})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.assignments = ()
     moved = plan.replace({"b": "/cpu:0"})
     assert moved.num_stages == 1 and plan.num_stages == 2
@@ -161,7 +162,7 @@ def test_large_inputs_use_bisection_with_the_same_optimum():
         exact = plan_lib.balance_contiguous(costs, weights)
         fast = plan_lib._balance_by_bisection(np.concatenate([[0.0], np.cumsum(costs)]), weights)
 
-        def load(stages):
+        def load(stages, costs=costs, weights=weights, k=k):
             return max(sum(c for c, s in zip(costs, stages) if s == j) / weights[j]
                        for j in range(k))
 

@@ -1,4 +1,4 @@
-"""split_model on the patterns real models use (issue 17 section 3), in plain Keras.
+"""split_model on the patterns real models use, in plain Keras.
 
 Each pattern is split over 2 logical CPUs and compared with the unsplit model
 built with the same seed (same weights, same batches), in fp32: forward
@@ -27,7 +27,8 @@ def _dev(variable) -> str:
     return value.device.split("device:")[-1]
 
 
-def _train_both(build, x, y, *, plan=None, micro_batches=2, optimizer=lambda: keras.optimizers.SGD(0.05),
+def _train_both(build, x, y, *, plan=None, micro_batches=2,
+                optimizer=lambda: keras.optimizers.SGD(0.05),
                 loss="mse", epochs=2, **split_kwargs):
     """(split, reference) after the same fit; the split is checked fully placed."""
     reference = build()
@@ -198,7 +199,7 @@ def test_report_with_unknown_sequence_length():
     assert np.allclose(split(x).numpy(), model(x).numpy(), atol=TOL)
 
 
-# --- bad input (issue 15) -------------------------------------------------------------------------
+# --- bad input -------------------------------------------------------------------------
 def _model():
     keras.utils.set_random_seed(7)
     inp = keras.Input((4,))

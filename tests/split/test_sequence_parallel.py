@@ -1,4 +1,4 @@
-"""Sequence parallelism (issue 13 section 3) on 4 logical CPUs.
+"""Sequence parallelism on 4 logical CPUs.
 
 References: the same model unsplit on one device, same seed and batches, fp32.
 """

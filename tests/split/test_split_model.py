@@ -229,7 +229,8 @@ def test_tensor_parallel_column_and_row_equal_unsplit():
 
 
 def test_tensor_parallel_rejects_non_dense():
-    with pytest.raises(ValueError, match="supports keras.layers.Dense and MultiHeadAttention.*'add'"):
+    with pytest.raises(ValueError,
+                       match="supports keras.layers.Dense and MultiHeadAttention.*'add'"):
         tfdist.split_model(residual_model(), devices=["/cpu:0", "/cpu:1"],
                            tensor_parallel={"add": ("column", ["/cpu:0", "/cpu:1"])})
 

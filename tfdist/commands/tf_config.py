@@ -134,7 +134,8 @@ def _run(mode: str, extra: list[str]) -> int:
         missing = [f"--{n}" for n in ("name", "image", "num_workers") if getattr(FLAGS, n) is None]
         if missing or not extra:
             raise _UsageError(
-                f"--kubernetes needs {', '.join(missing + ([] if extra else ['a command after --']))}"
+                "--kubernetes needs "
+                f"{', '.join(missing + ([] if extra else ['a command after --']))}"
                 f", e.g. tfdist tf-config --kubernetes --name=mnist --image=IMAGE "
                 f"--num_workers=2 -- python train.py")
         port = 2222 if FLAGS.port is None else FLAGS.port

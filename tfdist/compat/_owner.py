@@ -58,11 +58,6 @@ def current_strategy() -> Any:
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
 
 
-def owns_current() -> bool:
-    """True inside `scope()` / `run()` of a strategy tfdist made."""
-    return owns(current_strategy())
-
-
 def strategy_of_variable(variable: Any) -> Any:
     """The strategy a (Keras or TensorFlow) variable was created under, or None.
 
@@ -77,8 +72,3 @@ def strategy_of_variable(variable: Any) -> Any:
         if isinstance(shards, (list, tuple)) and shards:
             strategy = getattr(shards[0], "_distribute_strategy", None)
     return strategy
-
-
-def owns_variable(variable: Any) -> bool:
-    """True if `variable` was created under a strategy tfdist made."""
-    return owns(strategy_of_variable(variable))

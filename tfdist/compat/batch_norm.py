@@ -170,8 +170,9 @@ def _assign_check(original) -> None:
     _check_sync_points()
 
     _patch.require_signature(original, "value", what="keras TF Variable._direct_assign")
-    # assign/assign_add/assign_sub all end in _direct_assign (tests/test_batch_norm.py
-    # checks that behaviourally); the replacement reads the TF variable `_initialize` stores in `_value`.
+    # assign/assign_add/assign_sub all end in _direct_assign (BatchNormalization's moving-statistics
+    # updates in tests/numerics/ go through it); the replacement reads the TF variable `_initialize`
+    # stores in `_value`.
     _patch.require_attributes(core.Variable, "assign", "assign_add", "assign_sub", "_initialize",
                               what="keras TF Variable")
 

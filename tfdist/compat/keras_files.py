@@ -50,7 +50,7 @@ plain Keras are untouched.
 `install_or_warn()` is called by the multi_worker_mirrored preset (a Keras
 whose code changed under a fix gets a warning and Keras's own behaviour);
 `uninstall()` puts every original back.
-"""
+"""  # noqa: E501 (the table's rows)
 
 from __future__ import annotations
 

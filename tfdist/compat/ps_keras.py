@@ -160,7 +160,7 @@ def per_worker_datasets(coordinator: Any, dataset_or_fn: Any) -> Any:
 
 
 def owned_ps_strategy(strategy: Any) -> bool:
-    """True for a ParameterServerStrategy made by `tfdist.make_strategy` (the only kind PS fixes change)."""
+    """True for a ParameterServerStrategy made by tfdist (the only kind the PS fixes change)."""
     from tfdist.compat import _owner
 
     return _owner.owns(strategy) and is_parameter_server_strategy(strategy)

@@ -42,7 +42,8 @@ Every fix passes straight through to Keras/TensorFlow unless the variable (or
 the optimizer's strategy) belongs to a ParameterServerStrategy made by
 `tfdist.make_strategy`; `install()` is idempotent and is called by the
 `parameter_server` preset; `tfdist.compat._patch.uninstall()` undoes it. The
-canaries in tests/_ps_unpatched_run.py run the unpatched path and see it fail.
+canaries in tests/ps/run_sharded_variables.py and tests/ps/run_fit_cases.py run
+the unpatched path and see it fail.
 """
 
 from __future__ import annotations

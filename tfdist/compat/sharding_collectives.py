@@ -1,6 +1,6 @@
 """Reduce-scatter and all-gather between the replicas of a tf.distribute strategy.
 
-What TensorFlow offers (TF 2.21, measured on CPU; tests/test_sharding_compat.py
+What TensorFlow offers (TF 2.21, measured on CPU; tests/sharding/test_layout_and_options.py
 keeps checking it):
 
 - `tf.distribute.ReplicaContext.all_gather` works, but each call is a

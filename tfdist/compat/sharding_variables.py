@@ -43,7 +43,7 @@ object belongs to a strategy tfdist made with sharding on:
 
 No upstream issue: Keras's TensorFlow backend has no sharded data
 parallelism (its `distribution_lib` is marked "DO NOT USE"). Verified on the
-versions in `tfdist.compat.TESTED`; tests/test_sharding_compat.py checks the
+versions in `tfdist.compat.TESTED`; tests/sharding/test_layout_and_options.py checks the
 shapes these fixes rely on.
 """
 

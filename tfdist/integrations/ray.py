@@ -128,5 +128,6 @@ def check_resources(scaling_config) -> None:
                             for k, v in short.items())
         raise ValueError(
             f"The Ray cluster is too small for {scaling_config.num_workers} worker(s) "
-            f"({details}); Ray would wait for it forever. Add nodes or start Ray with more (e.g. ray.init(num_cpus=N) / "
+            f"({details}); Ray would wait for it forever. Add nodes or start Ray with more "
+            "(e.g. ray.init(num_cpus=N) / "
             f"`ray start --num-cpus=N`), or ask for fewer workers or resources per worker.")

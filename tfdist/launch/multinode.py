@@ -405,7 +405,8 @@ def _connect(address: tuple[str, int], deadline: float, say) -> socket.socket:
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"could not reach the coordinator at {address[0]}:{address[1]} "
-                    f"({e.strerror or e}) within --join_timeout: start node 0 (it runs the coordinator), check the "
+                    f"({e.strerror or e}) within --join_timeout: start node 0 (it runs the "
+                    "coordinator), check the "
                     f"address and that its port is open between the machines") from None
             if not told:
                 say(f"waiting for the coordinator at {address[0]}:{address[1]} ...")

@@ -46,7 +46,8 @@ with open({args_path!r}, "rb") as f:
     _args, _kwargs = pickle.load(f)
 {source}
 _result = {name}(*_args, **_kwargs)
-_task = json.loads(os.environ.get("TF_CONFIG") or '{{"task": {{"type": "worker", "index": 0}}}}')["task"]
+_task = json.loads(
+    os.environ.get("TF_CONFIG") or '{{"task": {{"type": "worker", "index": 0}}}}')["task"]
 _task = f"{{_task['type']}}_{{_task['index']}}"
 with open(os.path.join({out_dir!r}, _task + ".pkl"), "wb") as f:
     pickle.dump(_result, f)

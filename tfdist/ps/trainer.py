@@ -19,8 +19,8 @@ step runs at least once: if the dead worker had already applied its update,
 that update would land twice. With the preset's `skip_completed_reruns` every
 train step carries an id and, after all of its ops ran, records it in a
 small ps variable; a re-run (flagged by tfdist.compat.ps_recovery) that
-finds its id there applies nothing. What remains: a worker that dies *while* writing its update leaves
-part of it applied and the re-run applies all of it (TensorFlow has no
+finds its id there applies nothing. What remains: a worker that dies *while* writing its
+update leaves part of it applied and the re-run applies all of it (TensorFlow has no
 transaction across variables). `train` counts re-runs and the updates that
 landed twice anyway (`StepsReport`).
 

@@ -268,7 +268,8 @@ def check_batch(batch_size: int, micro_batches: int) -> None:
         raise ValueError(
             f"A batch of {batch_size} samples cannot be split into micro_batches="
             f"{micro_batches} equal micro-batches. Use a batch size that is a multiple of "
-            f"{micro_batches} (e.g. {max(micro_batches, batch_size // micro_batches * micro_batches)})."
+            f"{micro_batches} (e.g. "
+            f"{max(micro_batches, batch_size // micro_batches * micro_batches)})."
         )
 
 
@@ -369,7 +370,8 @@ def split_model(model, *, devices: Sequence[str] | None = None,
     from tfdist import devices as devices_lib
 
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an integer >= 1. Received: micro_batches={micro_batches!r}")
+        raise ValueError(
+            f"micro_batches must be an integer >= 1. Received: micro_batches={micro_batches!r}")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1. Received: replicas={replicas!r}")
     if schedule not in SCHEDULES:

@@ -38,7 +38,6 @@ from typing import Sequence
 from tfdist._tf import import_tensorflow
 from tfdist.compat import keras_graph, placed_training
 from tfdist.split import graph as graph_lib
-from tfdist.split import plan as plan_lib
 
 import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
@@ -279,7 +278,7 @@ def sequence_parallel(model, *, devices: Sequence[str], replicas: int = 1
         raise ValueError(
             f"Model {model.name!r} has no layer sequence parallelism can slice "
             "(MultiHeadAttention, LayerNormalization, Dense, Embedding, ...).")
-    for name, shape, _ in graph.input_specs:
+    for _, shape, _ in graph.input_specs:
         if len(shape) >= 2 and shape[1] is not None and len(shape) == 3:
             check_length(int(shape[1]), n)
     strategy = None
@@ -296,7 +295,3 @@ def sequence_parallel(model, *, devices: Sequence[str], replicas: int = 1
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
         return SequenceParallelModel(graph=graph, replica_devices=groups, strategy=strategy)
-
-
-def canonical_devices(devices: Sequence[str]) -> list[str]:
-    return [plan_lib.canonical_device(d) for d in devices]
