@@ -1,7 +1,7 @@
 """Users' program patterns under the synchronous presets train as on one device.
 
 The patterns (shrunk, offline versions of keras.io and KerasHub programs) run in
-fresh processes, tests/compat/_sync_programs_run.py: one on 2 logical CPUs under
+fresh processes, tests/compat/run_sync_programs.py: one on 2 logical CPUs under
 `mirrored` and its ZeRO-1/ZeRO-2 variants. Every equality is against the same
 pattern, seed, initial weights and global batch on ONE device (plain Keras);
 every replica's copy must be identical. Negative controls run the same pattern
@@ -17,9 +17,9 @@ import re
 
 import pytest
 
-from tests.helpers import REPO, run_python
+from tests.support import REPO, run_python
 
-RUN = os.path.join(REPO, "tests", "compat", "_sync_programs_run.py")
+RUN = os.path.join(REPO, "tests", "compat", "run_sync_programs.py")
 TFDIST_PRESETS = ("mirrored", "zero1", "zero2")
 # Float32 weights after 3 SGD steps: different summation orders, nothing more.
 TOLERANCE = 1e-6

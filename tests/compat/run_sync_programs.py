@@ -1,6 +1,6 @@
 """Users' program patterns under the synchronous presets, each against one device, in one process.
 
-    python tests/compat/_sync_programs_run.py mirrored    # 2 logical CPUs; prints RESULTS {json}
+    python tests/compat/run_sync_programs.py mirrored    # 2 logical CPUs; prints RESULTS {json}
 
 Run by tests/compat/test_sync_programs.py (which asserts on the numbers) and
 reusable by hand. Each pattern is a shrunk, offline version of what keras.io
