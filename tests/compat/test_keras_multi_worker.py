@@ -61,6 +61,9 @@ def test_fixes_install_together_pass_through_and_uninstall():
     import keras
     import tensorflow as tf
 
+    # Earlier tests in this process made strategies, which install keras_build's fix for
+    # every preset: start from stock Keras so install() reports both fixes as new.
+    tfdist.compat.uninstall()
     trainer = _trainer()
     stock = (trainer.TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica)
     with tfdist.compat.uninstall_after():
