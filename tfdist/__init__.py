@@ -83,11 +83,11 @@ _EXPORTS = {
     "plan_balanced": "tfdist.split.balance",
     "plan_from_rules": "tfdist.split.balance",
 
-    # cost model, planner, auto preset, monitoring (tfdist.cost holds the hardware specs)
-    "plan": "tfdist.planner",
-    "Plan": "tfdist.planner",
-    "this_machine": "tfdist.planner",
-    "model_stats": "tfdist.cost",
+    # cost model and planner (tfdist.planning), auto preset, monitoring
+    "plan": "tfdist.planning.planner",
+    "Recommendation": "tfdist.planning.planner",
+    "this_machine": "tfdist.planning.planner",
+    "model_stats": "tfdist.planning.stats",
     "AutoOptions": "tfdist.config",
     "choose_preset": "tfdist.strategies",
     "ThroughputMonitor": "tfdist.callbacks",
@@ -96,10 +96,22 @@ _EXPORTS = {
     "replica_spread": "tfdist.numerics",
 }
 
+# former public name -> (its new name, the module that defines it); a DeprecationWarning on use
+_DEPRECATED = {
+    "Plan": ("Recommendation", "tfdist.planning.planner"),
+}
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
+    if name in _DEPRECATED:
+        import warnings
+
+        new, module = _DEPRECATED[name]
+        warnings.warn(f"tfdist.{name} is deprecated: use tfdist.{new}.", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module(module), new)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
