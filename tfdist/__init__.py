@@ -28,6 +28,12 @@ _EXPORTS = {
     "describe": "tfdist.strategies",
     "replica_devices": "tfdist.strategies",
     "Preset": "tfdist.strategies",
+    "Feature": "tfdist.strategies",
+    "installs": "tfdist.strategies",
+    "Installs": "tfdist.strategies",
+    # what tfdist attached to a strategy it made
+    "StrategyState": "tfdist.state",
+    "state_of": "tfdist.state",
     # configuration
     "DefaultOptions": "tfdist.config",
     "OneDeviceOptions": "tfdist.config",
