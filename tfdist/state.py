@@ -15,7 +15,9 @@ changes anything, so objects of strategies tfdist did not make pass through.
 Per-model and per-optimizer records stay with their objects' owners: the
 parameter-server trainer and exact-evaluation shards of a model
 (`tfdist.ps`), an optimizer opted in to summed sparse gradients
-(`compat.optimizer_update.opt_in`).
+(`compat.optimizer_update.opt_in`). The parameter-server preset's
+per-strategy records (skip_completed_reruns, the recovery handler) are still
+kept by tfdist.ps.trainer and compat.ps_recovery.
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ class StrategyState:
         (a `GradientSync`); None: the default (`DEFAULT_SYNC`).
       sync_batch_norm: BatchNormalization statistics over the global batch.
       sharding_plan: the ZeRO sharding plan (`tfdist.sharding.ShardingPlan`), if sharded.
-      skip_completed_reruns: parameter-server re-runs of applied steps apply nothing.
-      recovery: the parameter-server worker-recovery handler (`compat.ps_recovery`).
       file_role: "chief", "other" or None (Keras's file writers), once computed
         (`file_role_known`).
       barrier: the traced all-worker barrier of the file writers, once made.
@@ -53,8 +53,6 @@ class StrategyState:
     gradient_sync: Any = None
     sync_batch_norm: bool = False
     sharding_plan: Any = None
-    skip_completed_reruns: bool = False
-    recovery: Any = None
     file_role: str | None = None
     file_role_known: bool = False
     barrier: Callable[[], Any] | None = None

@@ -378,31 +378,6 @@ MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
 )
 
 
-def _parameter_server(strategy, options, state) -> None:
-    from tfdist.compat import ps_fit, ps_keras, ps_recovery, ps_variables
-    from tfdist.ps import keras_api, servers
-    from tfdist.ps.errors import ParameterServerError
-    from tfdist.ps.trainer import coordinator_for
-
-    ps_keras.check()
-    ps_variables.install()
-    ps_fit.install(keras_api.ROUTES)
-    state.skip_completed_reruns = bool(options.skip_completed_reruns)
-    # The coordinator is a singleton per strategy: made here, it is also the one a
-    # custom loop's `ClusterCoordinator(strategy)` gets, with tfdist's recovery.
-    ps_recovery.install(coordinator_for(strategy), all_lost_timeout=options.connect_timeout,
-                        reachable=lambda address: servers.reachable(address, timeout=1.0),
-                        all_lost_error=ParameterServerError)
-
-
-PARAMETER_SERVER_FEATURES: tuple[Feature, ...] = (
-    Feature("parameter_server", "Keras 3 fit/evaluate through the coordinator, exact counters, "
-            "worker recovery (on the coordinator; workers and ps serve inside the factory)",
-            when="always", fixes=("ps_keras", "ps_variables", "ps_fit", "ps_recovery"),
-            attach=_parameter_server),
-)
-
-
 # --- presets -----------------------------------------------------------------
 
 
@@ -496,8 +471,11 @@ register_preset(
             "ClusterCoordinator) with plain model.fit.",
     needs="an in-process cluster (local_workers, local_ps) or a TF_CONFIG cluster with "
           "a chief, 1+ workers and 1+ ps",
-    features=PARAMETER_SERVER_FEATURES + COMMON_FEATURES,
-    factory="tfdist.ps.strategy:build_strategy",
+    features=COMMON_FEATURES,
+    # Its factory installs the Keras fixes and worker recovery on the coordinator only
+    # (workers and ps serve inside it and never return).
+    fixes=("ps_keras", "ps_variables", "ps_fit", "ps_recovery"),
+    factory="tfdist.ps.strategy:make_strategy",
 )
 
 

@@ -49,10 +49,10 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from tfdist import devices as devices_lib
-from tfdist import state as state_lib
 from tfdist.compat._patch import CompatError, require_attributes, require_signature
 
 logger = logging.getLogger("tfdist")
@@ -63,6 +63,7 @@ UPSTREAM = ("tensorflow/python/distribute/coordinator/cluster_coordinator.py "
 # How often the recovery thread probes failed workers (seconds).
 POLL_SECONDS = 0.5
 
+_handlers: "weakref.WeakKeyDictionary[Any, PartialRecovery]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -365,12 +366,7 @@ def install(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], 
     cc = _coordinator_module()
     cluster = coordinator._cluster
     with _lock:
-        state = state_lib.state_of(coordinator.strategy)
-        if state is None:
-            raise ValueError(
-                "ps_recovery.install takes the coordinator of a strategy made by "
-                f"tfdist.make_strategy. Received: {type(coordinator.strategy).__name__}.")
-        if state.recovery is not None or os.getenv("TF_PSS_ENABLE_COORDINATION_SERVICE"):
+        if coordinator in _handlers or os.getenv("TF_PSS_ENABLE_COORDINATION_SERVICE"):
             return False
         original = cluster.failure_handler
         if not isinstance(original, cc.WorkerPreemptionHandler):
@@ -389,12 +385,11 @@ def install(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], 
         cluster.failure_handler = handler
         for worker in cluster.workers:
             worker.failure_handler = handler
-        state.recovery = handler
+        _handlers[coordinator] = handler
         return True
 
 
 def rerun_count(coordinator) -> int:
     """Steps re-run after worker failures on `coordinator` so far (0 without PartialRecovery)."""
-    state = state_lib.state_of(getattr(coordinator, "strategy", None))
-    handler = None if state is None else state.recovery
+    handler = _handlers.get(coordinator)
     return handler.reruns if handler is not None else 0

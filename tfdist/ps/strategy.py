@@ -1,9 +1,4 @@
-"""The `parameter_server` preset's factory: the cluster and the strategy.
-
-`build_strategy` is the registry's factory; `tfdist.make_strategy` then
-attaches the preset's features (the Keras fixes, exact counters and worker
-recovery on the coordinator: `tfdist.strategies.PARAMETER_SERVER_FEATURES`).
-"""
+"""The `parameter_server` preset's factory: cluster, Keras fixes, strategy, coordinator."""
 
 from __future__ import annotations
 
@@ -23,12 +18,14 @@ def _partitioner(tf, options: config_lib.ParameterServerOptions, num_ps: int):
     return None
 
 
-def build_strategy(options: config_lib.ParameterServerOptions):
-    """The bare ParameterServerStrategy of the cluster `options` describe.
+def make_strategy(options: config_lib.ParameterServerOptions):
+    """Builds the strategy (see `tfdist.make_strategy("parameter_server", ...)`).
 
     In a TF_CONFIG cluster, worker and ps tasks do not return: they serve
-    until stopped and then exit 0, so one script runs on every task (servers
-    never import Keras).
+    until stopped and then exit 0, so one script runs on every task. On the
+    coordinator, the Keras fixes of tfdist.compat.ps_variables and ps_fit are
+    installed (they apply only to strategies tfdist made), and the strategy's
+    ClusterCoordinator is created with tfdist's worker-recovery handling.
 
     Raises:
       ValueError: no cluster, a cluster without chief, ps or workers, or a task
@@ -37,12 +34,23 @@ def build_strategy(options: config_lib.ParameterServerOptions):
     """
     tf = import_tensorflow()
     resolver, num_ps = servers.resolve_cluster(options)
-    return tf.distribute.ParameterServerStrategy(
+    # Only the coordinator needs the Keras fixes (servers never import Keras).
+    from tfdist.compat import ps_fit, ps_keras, ps_variables
+    from tfdist.ps import keras_api
+
+    ps_keras.check()
+    ps_variables.install()
+    ps_fit.install(keras_api.ROUTES)
+    strategy = tf.distribute.ParameterServerStrategy(
         resolver, variable_partitioner=_partitioner(tf, options, num_ps))
+    # The coordinator is a singleton per strategy: made here, it is also the one a
+    # custom loop's `ClusterCoordinator(strategy)` gets, with tfdist's recovery.
+    from tfdist.compat import ps_recovery
+    from tfdist.ps.errors import ParameterServerError
+    from tfdist.ps.trainer import coordinator_for, set_skip_completed_reruns
 
-
-def make_strategy(options: config_lib.ParameterServerOptions):
-    """The parameter_server preset's strategy: `tfdist.make_strategy(options)`."""
-    from tfdist import strategies
-
-    return strategies.make_strategy(options)
+    set_skip_completed_reruns(strategy, options.skip_completed_reruns)
+    ps_recovery.install(coordinator_for(strategy), all_lost_timeout=options.connect_timeout,
+                        reachable=lambda address: servers.reachable(address, timeout=1.0),
+                        all_lost_error=ParameterServerError)
+    return strategy

@@ -42,7 +42,6 @@ import time
 import weakref
 from typing import Any, Callable
 
-from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
 from tfdist.compat import optimizer_update, ps_keras
 from tfdist.ps import data as data_lib
@@ -53,11 +52,13 @@ BATCH_LOG_INTERVAL = 0.2
 
 _TRAINERS: "weakref.WeakKeyDictionary[Any, CoordinatorTrainer]" = weakref.WeakKeyDictionary()
 _TRAINERS_LOCK = threading.Lock()
+_SKIP_COMPLETED: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def set_skip_completed_reruns(strategy, enabled: bool) -> None:
-    """Whether trainers of `strategy` (one tfdist made) skip re-runs of applied steps."""
-    state_lib.state_of(strategy).skip_completed_reruns = bool(enabled)
+    """Whether trainers of `strategy` skip re-runs of steps already applied (default False)."""
+    with _TRAINERS_LOCK:
+        _SKIP_COMPLETED[strategy] = bool(enabled)
 
 
 def coordinator_for(strategy):
@@ -141,8 +142,7 @@ class CoordinatorTrainer:
         self.strategy = strategy
         self.coordinator = coordinator_for(strategy)
         self.compile_token = ps_keras.compile_token(model)
-        state = state_lib.state_of(strategy)
-        self.skip_completed_reruns = state is not None and state.skip_completed_reruns
+        self.skip_completed_reruns = _SKIP_COMPLETED.get(strategy, False)
         self._functions: dict[Any, Callable] = {}
         self._iterators: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._ledger_variable = None
