@@ -210,7 +210,7 @@ def _launch(num_workers: int, options: dict, steps: int, overlap: bool) -> dict:
 
 def _link_from_report() -> "object | None":
     """The alpha-beta link of the last all-reduce calibration, if one was written."""
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
 
     for path in ("results/bench_multiworker.json", "results/benchmark.json"):
         try:
@@ -227,7 +227,7 @@ def _link_from_report() -> "object | None":
 
 def run(quick: bool) -> list[dict]:
     """The rows (see the module docstring)."""
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
 
     steps = 4 if quick else 12
     rounds = 1 if quick else 3

@@ -7,7 +7,7 @@ Rows (medians over interleaved rounds, all in one process on 4 logical CPUs):
   written by hand on the same 2 devices and global batch (target >= 0.98);
 - `mirrored` over 1, 2, 4 logical CPUs vs plain `model.fit` (no strategy);
 - model FLOP utilisation: a wide MLP's achieved FLOP/s (FLOPs from
-  `tfdist.cost.model_stats`) under the better of the planner's pick and
+  `tfdist.planning.model_stats`) under the better of the planner's pick and
   `mirrored` x2, over this machine's fp32 matmul peak measured in the same
   run (target >= 60%);
 - the alpha-beta all-reduce model: calibrated on half the message sizes of a
@@ -263,7 +263,7 @@ def _mfu(quick):
     import keras
 
     import tfdist
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
@@ -358,7 +358,7 @@ def measure_allreduce(sizes, repeats, timeout=180.0):
 
 def validate_allreduce(points):
     """Calibrates alpha, beta on every other size and predicts the rest."""
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
 
     points = sorted(points)
     calibrate, held_out = points[0::2], points[1::2]
@@ -369,7 +369,7 @@ def validate_allreduce(points):
 
 
 def _allreduce(quick):
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
 
     sizes = QUICK_SIZES if quick else FULL_SIZES
     points = measure_allreduce(sizes, 5 if quick else 25)

@@ -69,7 +69,7 @@ def _worker(config: str, quick: bool) -> int:
     import keras
     import numpy as np
 
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
     from tfdist.sharding import memory
 
     width, layers, batch = _sizes(quick)

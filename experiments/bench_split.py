@@ -58,7 +58,7 @@ def _build_model():
 
 def _worker(kind: str, schedule: str) -> int:
     import tfdist
-    from tfdist.split import Plan
+    from tfdist.split import SplitPlan
 
     # baseline: one thread; equal: the unsplit model with both cores as a user would give
     # it (intra-op 2); split: one intra-op thread per stage, 2 inter-op threads.
@@ -79,7 +79,7 @@ def _worker(kind: str, schedule: str) -> int:
         # Micro-batching on ONE device and one thread: the extra work M micro-batches cost
         # (smaller matmuls, M partial weight gradients summed), measured in CPU time.
         names = [l.name for l in m.layers if not isinstance(l, keras.layers.InputLayer)]
-        one_device = Plan.from_dict({n: "/cpu:0" for n in names})
+        one_device = SplitPlan.from_dict({n: "/cpu:0" for n in names})
         for mb in MICRO_BATCHES:
             s = tfdist.split_model(_build_model(), plan=one_device, micro_batches=mb)
             s.compile(keras.optimizers.SGD(1e-4), "mse")

@@ -115,7 +115,7 @@ def validate_points_rows(rows: list[dict]) -> tuple[list[dict], dict]:
     bench_presets' own measurement.
     """
     from experiments import bench_presets
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
 
     new_rows, details = [], {}
     for row in rows:
@@ -220,7 +220,7 @@ def plots(details: dict, out_dir: str) -> list[str]:
     plt.close(fig)
 
     ar = details["allreduce"]
-    from tfdist import cost
+    from tfdist import planning as cost  # the cost model
 
     link = cost.Link(bandwidth=ar["bandwidth"], latency=ar["alpha"])
     sizes = [k for k, _ in ar["points"]]

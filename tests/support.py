@@ -135,7 +135,7 @@ def profiler_flops(model, spec) -> float:
     """
     import tensorflow as tf
 
-    from tfdist import flops
+    from tfdist.planning import flops
 
     fn = tf.function(lambda inputs: model(inputs, training=False))
     graph = fn.get_concrete_function(spec).graph

@@ -28,6 +28,12 @@ _EXPORTS = {
     "describe": "tfdist.strategies",
     "replica_devices": "tfdist.strategies",
     "Preset": "tfdist.strategies",
+    "Feature": "tfdist.strategies",
+    "installs": "tfdist.strategies",
+    "Installs": "tfdist.strategies",
+    # what tfdist attached to a strategy it made
+    "StrategyState": "tfdist.state",
+    "state_of": "tfdist.state",
     # configuration
     "DefaultOptions": "tfdist.config",
     "OneDeviceOptions": "tfdist.config",
@@ -83,11 +89,11 @@ _EXPORTS = {
     "plan_balanced": "tfdist.split.balance",
     "plan_from_rules": "tfdist.split.balance",
 
-    # cost model, planner, auto preset, monitoring (tfdist.cost holds the hardware specs)
-    "plan": "tfdist.planner",
-    "Plan": "tfdist.planner",
-    "this_machine": "tfdist.planner",
-    "model_stats": "tfdist.cost",
+    # cost model and planner (tfdist.planning), auto preset, monitoring
+    "plan": "tfdist.planning.planner",
+    "Recommendation": "tfdist.planning.planner",
+    "this_machine": "tfdist.planning.planner",
+    "model_stats": "tfdist.planning.stats",
     "AutoOptions": "tfdist.config",
     "choose_preset": "tfdist.strategies",
     "ThroughputMonitor": "tfdist.callbacks",
@@ -96,10 +102,22 @@ _EXPORTS = {
     "replica_spread": "tfdist.numerics",
 }
 
+# former public name -> (its new name, the module that defines it); a DeprecationWarning on use
+_DEPRECATED = {
+    "Plan": ("Recommendation", "tfdist.planning.planner"),
+}
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
+    if name in _DEPRECATED:
+        import warnings
+
+        new, module = _DEPRECATED[name]
+        warnings.warn(f"tfdist.{name} is deprecated: use tfdist.{new}.", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module(module), new)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

@@ -19,6 +19,7 @@ import statistics
 import time
 from typing import Callable
 
+from tfdist import devices as devices_lib
 from tfdist._tf import import_tensorflow
 
 tf = import_tensorflow()
@@ -81,7 +82,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
                                         or tf.distribute.get_strategy())
         reporting, self.unreported_devices = [], {}
         for device in devices:
-            name = _short_device_name(device)
+            name = devices_lib.short_device_name(device)
             try:
                 self._memory_info(name)
             except (ValueError, tf.errors.OpError, RuntimeError) as error:
@@ -158,11 +159,3 @@ def _strategy_devices(strategy) -> tuple[str, ...]:
         return devices
     gpus = tf.config.list_logical_devices("GPU")
     return (gpus[0].name if gpus else "CPU:0",)
-
-
-def _short_device_name(device: str) -> str:
-    """'/job:localhost/replica:0/task:0/device:GPU:1' -> 'GPU:1' (what get_memory_info takes)."""
-    spec = tf.DeviceSpec.from_string(device)
-    if spec.device_type is None:
-        return device
-    return f"{spec.device_type.upper()}:{spec.device_index or 0}"

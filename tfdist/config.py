@@ -10,8 +10,9 @@ here with a message that names the value and the fix.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, ClassVar, Literal
+
+from tfdist.devices import check_device_name
 
 CrossDeviceOps = Literal[
     "auto", "ring", "reduction_to_one_device", "hierarchical_copy", "nccl"
@@ -23,27 +24,6 @@ CROSS_DEVICE_OPS: tuple[str, ...] = (
     "hierarchical_copy",
     "nccl",
 )
-
-# "/cpu:0", "/gpu:1", "/device:CPU:0", "/job:worker/replica:0/task:1/device:GPU:0", "CPU:0".
-_DEVICE_RE = re.compile(
-    r"^(/job:[\w-]+(/replica:\d+)?(/task:\d+)?)?(/?device:)?/?(cpu|gpu|tpu):\d+$",
-    re.IGNORECASE,
-)
-
-
-def check_device_name(device: str, *, what: str = "device") -> str:
-    """Returns `device` if it is a well-formed TensorFlow device name.
-
-    Raises:
-      ValueError: naming the received string and the expected form.
-    """
-    if not isinstance(device, str) or not _DEVICE_RE.match(device.strip()):
-        raise ValueError(
-            f"{what} must be a TensorFlow device name such as '/cpu:0' or "
-            f"'/gpu:1' (or '/device:CPU:0'). Received: {what}={device!r}"
-        )
-    return device.strip()
-
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):

@@ -1,17 +1,102 @@
-"""Logical devices: split one CPU (or GPU) into N so multi-device code runs anywhere.
+"""Devices: logical devices, thread pools, and the one parser of device names.
 
-TensorFlow only accepts this before its runtime initialises (the first op,
-model or strategy); afterwards it raises a bare RuntimeError. tfdist turns
-that into an error that says what to do.
+Logical devices split one CPU (or GPU) into N so multi-device code runs
+anywhere. TensorFlow only accepts this before its runtime initialises (the
+first op, model or strategy); afterwards it raises a bare RuntimeError.
+tfdist turns that into an error that says what to do.
+
+Device names ("/cpu:0", "CPU:1", "/device:GPU:0",
+"/job:worker/replica:0/task:1/device:GPU:0") are read here and nowhere else:
+`check_device_name`, `parse_device_name`, `canonical_device`,
+`short_device_name` and `task_index` need no TensorFlow.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Literal
 
 from tfdist._tf import import_tensorflow
 
 DeviceType = Literal["CPU", "GPU"]
+
+# "/cpu:0", "/gpu:1", "/device:CPU:0", "/job:worker/replica:0/task:1/device:GPU:0", "CPU:0".
+_DEVICE_RE = re.compile(
+    r"^(?:/job:(?P<job>[\w-]+)(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?)?"
+    r"(?:/?device:)?/?(?P<kind>cpu|gpu|tpu):(?P<index>\d+)$",
+    re.IGNORECASE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceName:
+    """A device name's parts: job, replica and task (None when absent), kind and index."""
+
+    job: str | None
+    replica: int | None
+    task: int | None
+    kind: str
+    index: int
+
+
+def check_device_name(device: str, *, what: str = "device") -> str:
+    """Returns `device` (stripped) if it is a well-formed TensorFlow device name.
+
+    Raises:
+      ValueError: naming the received string and the expected form.
+    """
+    if not isinstance(device, str) or not _DEVICE_RE.match(device.strip()):
+        raise ValueError(
+            f"{what} must be a TensorFlow device name such as '/cpu:0' or "
+            f"'/gpu:1' (or '/device:CPU:0'). Received: {what}={device!r}"
+        )
+    return device.strip()
+
+
+def parse_device_name(device: str, *, what: str = "device") -> DeviceName:
+    """'/job:worker/replica:0/task:1/device:GPU:0' -> DeviceName('worker', 0, 1, 'GPU', 0).
+
+    Raises:
+      ValueError: not a device name (see `check_device_name`).
+    """
+    match = _DEVICE_RE.match(check_device_name(device, what=what))
+    number = lambda group: None if match.group(group) is None else int(match.group(group))  # noqa: E731
+    return DeviceName(job=match.group("job"), replica=number("replica"), task=number("task"),
+                      kind=match.group("kind").upper(), index=int(match.group("index")))
+
+
+def canonical_device(device: str) -> str:
+    """'/cpu:1', 'CPU:1', '/device:CPU:1' -> '/device:CPU:1'; a job prefix is kept.
+
+    Raises:
+      ValueError: not a device name.
+    """
+    device = check_device_name(device)
+    match = re.search(r"(cpu|gpu|tpu):(\d+)$", device, re.IGNORECASE)
+    prefix = device[: match.start()].rstrip("/")
+    prefix = re.sub(r"/?device:?$", "", prefix, flags=re.IGNORECASE)
+    return f"{prefix}/device:{match.group(1).upper()}:{int(match.group(2))}"
+
+
+def short_device_name(device: str) -> str:
+    """'/job:localhost/replica:0/task:0/device:GPU:1' -> 'GPU:1' (what get_memory_info takes).
+
+    A string that is not a device name is returned as it is.
+    """
+    try:
+        name = parse_device_name(device)
+    except ValueError:
+        return device
+    return f"{name.kind}:{name.index}"
+
+
+def task_index(device: str) -> int | None:
+    """The task index in a device name ('/job:worker/replica:0/task:3/...' -> 3), else None."""
+    try:
+        return parse_device_name(device).task
+    except ValueError:
+        return None
 
 
 class RuntimeAlreadyInitializedError(RuntimeError):
@@ -146,7 +231,6 @@ def resolve_devices(devices=None, num_devices: int | None = None) -> tuple[str, 
     Raises:
       ValueError: a device that does not exist here, or more asked than exist.
     """
-    tf = import_tensorflow()
     gpus = logical_device_names("GPU")
     cpus = logical_device_names("CPU")
     if devices is None:
@@ -163,11 +247,11 @@ def resolve_devices(devices=None, num_devices: int | None = None) -> tuple[str, 
                    if kind == "CPU" else "Ask for fewer devices.")
             )
         return tuple(pool[:num_devices])
-    available = {_canonical(tf, name): name for name in gpus + cpus}
+    available = {_kind_and_index(name): name for name in gpus + cpus}
     resolved = []
     for device in devices:
         try:
-            canonical = _canonical(tf, device)
+            canonical = _kind_and_index(device)
         except ValueError:
             canonical = None
         if canonical not in available:
@@ -180,8 +264,6 @@ def resolve_devices(devices=None, num_devices: int | None = None) -> tuple[str, 
     return tuple(resolved)
 
 
-def _canonical(tf, name: str) -> tuple[str, int]:
-    spec = tf.DeviceSpec.from_string(name)
-    if spec.device_type is None or spec.device_index is None:
-        raise ValueError(name)
-    return spec.device_type.upper(), int(spec.device_index)
+def _kind_and_index(name: str) -> tuple[str, int]:
+    parsed = parse_device_name(name)
+    return parsed.kind, parsed.index

@@ -5,7 +5,8 @@ What tfdist adds to `tf.distribute.MultiWorkerMirroredStrategy()`:
   ValueError instead of a gRPC error or a hang; no TF_CONFIG = one worker.
 - NCCL without GPUs is rejected before anything starts (TensorFlow accepts
   it and fails at the first all-reduce).
-- The Keras 3 fixes for `model.fit` are applied (tfdist.compat.keras_multi_worker).
+- The Keras 3 fixes for `model.fit` (tfdist.compat.keras_multi_worker, keras_files)
+  are the preset's features, attached by `tfdist.make_strategy`.
 - A join timeout: TensorFlow's constructor blocks until every task has
   joined, forever (and a one-task cluster whose own address is not this
   machine, forever too). The blocking call is in C++ and cannot be
@@ -210,15 +211,14 @@ def _communication_options(tf, options: config_lib.MultiWorkerMirroredOptions):
 def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
     """MultiWorkerMirroredStrategy from validated options and this process's TF_CONFIG.
 
+    The multi_worker_mirrored preset's factory: `tfdist.make_strategy` then
+    attaches the preset's features (the Keras fixes among them).
+
     Raises:
       ValueError: invalid TF_CONFIG (TFConfigError), a cluster with parameter
         servers, a ps task, or communication='nccl' without GPUs.
     """
     config = cluster_lib.tf_config_from_env()
-    if config is None and os.environ.get("TF_CONFIG") not in (None, "{}"):
-        # tfdist reads a blank TF_CONFIG as "no cluster"; TensorFlow's resolver
-        # would fail to parse it. Say the same thing in TensorFlow's words.
-        os.environ["TF_CONFIG"] = "{}"
     if config is not None:
         cluster_lib.check_cluster_for(config, "multi_worker_mirrored")
         if config.task_type not in ("chief", "worker", "evaluator"):
@@ -231,7 +231,7 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
             "communication='nccl' needs GPUs on every worker; NCCL has no CPU kernels, so "
             "training would fail at its first all-reduce. Received: communication='nccl' "
             "on a machine with no GPU. Use communication='ring' or 'auto'.")
-    from tfdist.compat import keras_multi_worker, tf_state
+    from tfdist.compat import tf_state
 
     if config is not None and tf_state.runtime_started():
         raise RuntimeError(
@@ -240,10 +240,6 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
             "TensorFlow ops or listed logical devices. Create the strategy first thing in the "
             "script, and do not split the CPU into logical devices (MultiWorkerMirrored uses "
             "one device per worker on CPUs).")
-    from tfdist.compat import keras_files
-
-    keras_multi_worker.install()
-    keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
     start = time.monotonic()
     with join_watchdog(config, options.join_timeout):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(

@@ -13,14 +13,38 @@ unless it trains a Keras 3 model end to end.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 from typing import Any, Callable
 
 from tfdist import config as config_lib
+from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
 
 logger = logging.getLogger("tfdist")
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One thing a preset adds to the strategies it makes (Lightning's plug-ins, as data).
+
+    Attributes:
+      name: short name, listed in the strategy's `StrategyState.features`.
+      summary: what it changes, in one line.
+      when: when it applies, in words (`applies`, read from the options).
+      fixes: the tfdist.compat modules whose fixes it installs.
+      attach: `attach(strategy, options, state)`: installs the fixes and records
+        on the strategy's `StrategyState` what they read.
+      applies: `applies(options) -> bool`; default: always.
+    """
+
+    name: str
+    summary: str
+    when: str
+    fixes: tuple[str, ...]
+    attach: Callable[[Any, Any, state_lib.StrategyState], None]
+    applies: Callable[[Any], bool] = lambda options: True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,33 +54,57 @@ class Preset:
     Attributes:
       name: what users type (`--strategy=name`).
       options: the frozen dataclass holding this preset's options.
-      factory: builds the strategy from validated options (imports TF lazily).
+      factory: builds the bare strategy from validated options (imports TF
+        lazily); a callable or "module:function".
       summary: one line for `--help`, the README and error messages.
       needs: the resources it needs, in words ("2+ devices", "TF_CONFIG ...").
+      features: what `make_strategy` attaches to the strategy, in order.
+      fixes: the tfdist.compat modules the factory itself uses.
     """
 
     name: str
     options: type[config_lib.PresetOptions]
-    factory: Callable[[Any], Any]
+    factory: Callable[[Any], Any] | str
     summary: str
     needs: str
+    features: tuple[Feature, ...] = ()
+    fixes: tuple[str, ...] = ()
+
+    def build(self, options: config_lib.PresetOptions):
+        """The bare strategy from `options` (no feature attached)."""
+        factory = self.factory
+        if isinstance(factory, str):
+            module, _, name = factory.partition(":")
+            factory = getattr(importlib.import_module(module), name)
+        return factory(options)
 
 
 _REGISTRY: dict[str, Preset] = {}
 
 
 def register_preset(name: str, *, options: type[config_lib.PresetOptions], summary: str,
-                    needs: str):
-    """Decorator registering `factory(options) -> tf.distribute.Strategy` as `name`."""
+                    needs: str, features: tuple[Feature, ...] = (), fixes: tuple[str, ...] = (),
+                    factory: Callable[[Any], Any] | str | None = None):
+    """Registers a preset: `factory(options) -> tf.distribute.Strategy` and what it adds.
 
-    def decorator(factory):
+    Used as a decorator on the factory, or called with `factory=` (a callable
+    or "module:function", imported on first use).
+
+    Raises:
+      ValueError: the name is taken, or the options class belongs to another preset.
+    """
+
+    def decorator(function):
         if name in _REGISTRY:
             raise ValueError(f"Preset {name!r} is already registered.")
         if options.preset != name:
             raise ValueError(f"{options.__name__}.preset is {options.preset!r}, expected {name!r}.")
-        _REGISTRY[name] = Preset(name, options, factory, summary, needs)
-        return factory
+        _REGISTRY[name] = Preset(name, options, function, summary, needs, tuple(features),
+                                 tuple(fixes))
+        return function
 
+    if factory is not None:
+        return decorator(factory)
     return decorator
 
 
@@ -84,8 +132,22 @@ def make_options(preset: str, **options: Any) -> config_lib.PresetOptions:
     return get_preset(preset).options.from_kwargs(**options)
 
 
+def _options(preset: "str | config_lib.PresetOptions", options: dict) -> config_lib.PresetOptions:
+    if isinstance(preset, config_lib.PresetOptions):
+        if options:
+            raise ValueError(
+                "Pass options either inside the options object or as keywords, not both. "
+                f"Received: {type(preset).__name__} and {sorted(options)}."
+            )
+        return preset
+    return make_options(preset, **options)
+
+
 def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **options: Any):
     """Builds a `tf.distribute.Strategy` from a preset name and its options.
+
+    The preset's factory builds the strategy; each of the preset's features
+    whose condition holds is attached to it (`installs()` lists them).
 
     Args:
       preset: a registered name (see `available_presets()`), or an options
@@ -107,53 +169,66 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
       >>> strategy.num_replicas_in_sync
       2
     """
-    if isinstance(preset, config_lib.PresetOptions):
-        if options:
-            raise ValueError(
-                "Pass options either inside the options object or as keywords, not both. "
-                f"Received: {type(preset).__name__} and {sorted(options)}."
-            )
-        opts = preset
-    else:
-        opts = make_options(preset, **options)
-    _check_tf_config()
-    from tfdist.compat import _owner, _versions
+    opts = _options(preset, options)
+    from tfdist.compat import _versions
 
     # Before any fix or private TensorFlow/Keras code runs: a clear error outside the range.
     _versions.check_supported()
-    strategy = get_preset(opts.preset).factory(opts)
+    return _build(get_preset(opts.preset), opts)
 
-    if not _owner.is_default_strategy(strategy):
-        # tfdist's compat fixes apply to this strategy (and only to strategies made here).
-        _owner.adopt(strategy)
-        from tfdist.compat import optimizer_update
 
-        optimizer_update.install()
-        from tfdist.compat import keras_build
+def _build(preset: Preset, options: config_lib.PresetOptions):
+    """The preset's strategy with its features attached (the default strategy: none)."""
+    from tfdist.compat import _owner
 
-        keras_build.install()  # first batch: no reduce (several workers, string/bool inputs)
-        from tfdist.compat import batch_norm
-
-        # Replica copies of BN statistics stay equal under every tfdist strategy ("auto"
-        # too); global-batch statistics where the preset's options ask for them.
-        batch_norm.configure(strategy,
-                             sync_batch_norm=getattr(opts, "sync_batch_norm", False))
-        if getattr(opts, "shard", "none") != "none":
-            from tfdist import sharding
-
-            sharding.attach(strategy, opts)
-        from tfdist.compat import keras_multi_step
-
-        keras_multi_step.install()  # steps_per_execution > 1 with several replicas
-        from tfdist.compat import loss_scale
-
-        loss_scale.install()  # mixed_float16: skip a step when any replica overflows
-        from tfdist import comm
-
-        if comm.wants_sync(opts):
-            comm.attach(strategy, opts)  # gradient compression / buckets (tfdist.comm)
-    logger.debug("tfdist: preset %s -> %s", opts.preset, describe(strategy))
+    _check_tf_config()
+    strategy = preset.build(options)
+    if _owner.is_default_strategy(strategy) or state_lib.state_of(strategy) is not None:
+        return strategy  # TensorFlow's own (never changed), or built by the preset auto chose
+    # tfdist's compat fixes apply to this strategy (and only to strategies made here).
+    state = state_lib.adopt(strategy, preset=preset.name, options=options)
+    for feature in preset.features:
+        if feature.applies(options):
+            feature.attach(strategy, options, state)
+            state.features += (feature.name,)
+    logger.debug("tfdist: preset %s -> %s (%s)", preset.name, describe(strategy),
+                 ", ".join(state.features))
     return strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Installs:
+    """What `make_strategy(preset, **options)` adds to the strategy it builds.
+
+    Attributes:
+      preset: the preset that builds it (for "auto": the one it chooses here).
+      features: the preset's features whose condition holds, in order.
+      fixes: every tfdist.compat module installed (the factory's, then the features').
+    """
+
+    preset: str
+    features: tuple[Feature, ...]
+    fixes: tuple[str, ...]
+
+
+def installs(preset: "str | config_lib.PresetOptions" = "mirrored", **options: Any) -> Installs:
+    """What this preset with these options installs, without building anything.
+
+    Example:
+      >>> [f.name for f in tfdist.installs("mirrored", shard="gradients").features]
+      ['optimizer_update', 'keras_build', 'batch_norm', 'keras_multi_step', 'loss_scale',
+       'sharding']
+
+    For "auto" this asks TensorFlow for the GPU count (see `choose_preset`).
+    """
+    opts = _options(preset, options)
+    row = get_preset(opts.preset)
+    if row.name == "auto":
+        row = get_preset(choose_preset()[0])
+        opts = row.options()
+    features = tuple(f for f in row.features if f.applies(opts))
+    fixes = tuple(dict.fromkeys(row.fixes + tuple(x for f in features for x in f.fixes)))
+    return Installs(preset=row.name, features=features, fixes=fixes)
 
 
 def _check_tf_config() -> None:
@@ -161,7 +236,8 @@ def _check_tf_config() -> None:
 
     TensorFlow reads TF_CONFIG while building strategies that never use a
     cluster too (MirroredStrategy does), and fails on a broken one with
-    TypeError, JSONDecodeError or RecursionError.
+    TypeError, JSONDecodeError or RecursionError. The one place tfdist turns a
+    blank TF_CONFIG into "no cluster" for TensorFlow.
     """
     from tfdist import cluster as cluster_lib
 
@@ -208,6 +284,100 @@ def replica_devices(strategy) -> tuple[str, ...]:
         return ()
 
 
+# --- features: what presets add to the strategies they make --------------------------
+
+
+def _optimizer_update(strategy, options, state) -> None:
+    from tfdist.compat import optimizer_update
+
+    optimizer_update.install()
+
+
+def _keras_build(strategy, options, state) -> None:
+    from tfdist.compat import keras_build
+
+    keras_build.install()
+
+
+def _batch_norm(strategy, options, state) -> None:
+    from tfdist.compat import batch_norm
+
+    batch_norm.configure(strategy, sync_batch_norm=getattr(options, "sync_batch_norm", False))
+
+
+def _sharding(strategy, options, state) -> None:
+    from tfdist import sharding
+
+    sharding.attach(strategy, options)  # records state.sharding_plan and its gradient sync
+
+
+def _keras_multi_step(strategy, options, state) -> None:
+    from tfdist.compat import keras_multi_step
+
+    keras_multi_step.install()
+
+
+def _loss_scale(strategy, options, state) -> None:
+    from tfdist.compat import loss_scale
+
+    loss_scale.install()
+
+
+def _comm(strategy, options, state) -> None:
+    from tfdist import comm
+
+    comm.attach(strategy, options)  # records state.gradient_sync (a CommSync)
+
+
+def _wants_comm(options) -> bool:
+    from tfdist import comm
+
+    return comm.wants_sync(options)
+
+
+# Every strategy tfdist makes (the default strategy excepted), in this order.
+COMMON_FEATURES: tuple[Feature, ...] = (
+    Feature("optimizer_update", "duplicate sparse-gradient indices summed, clipping after the "
+            "all-reduce, gradient accumulation; the update runs the strategy's GradientSync",
+            when="always", fixes=("optimizer_update",), attach=_optimizer_update),
+    Feature("keras_build", "the symbolic build reads the first local replica's batch (no "
+            "reduce: several workers, string and bool inputs)",
+            when="always", fixes=("keras_build",), attach=_keras_build),
+    Feature("batch_norm", "BatchNormalization's replica copies stay equal; global-batch "
+            "statistics with sync_batch_norm", when="always", fixes=("batch_norm",),
+            attach=_batch_norm),
+    Feature("keras_multi_step", "steps_per_execution > 1 with several replicas",
+            when="always", fixes=("keras_multi_step",), attach=_keras_multi_step),
+    Feature("loss_scale", "mixed_float16: a step is skipped when any replica overflows",
+            when="always", fixes=("loss_scale",), attach=_loss_scale),
+)
+
+# The synchronous data-parallel presets' options (mirrored, multi_worker_mirrored).
+SYNC_FEATURES: tuple[Feature, ...] = (
+    Feature("sharding", "ZeRO stages 1-3 and host offload (tfdist.sharding)",
+            when="shard != 'none'", fixes=("sharding_variables", "sharding_collectives"),
+            attach=_sharding, applies=lambda o: getattr(o, "shard", "none") != "none"),
+    Feature("comm", "gradient compression and buckets (tfdist.comm)",
+            when="gradient_compression != 'none' or bucket_bytes > 0",
+            fixes=("comm_collectives",), attach=_comm, applies=_wants_comm),
+)
+
+
+def _keras_multi_worker(strategy, options, state) -> None:
+    from tfdist.compat import keras_files, keras_multi_worker
+
+    keras_multi_worker.install()
+    keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
+
+
+MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
+    Feature("keras_multi_worker", "Keras 3 fit across workers (keras-team/keras#20585); "
+            "Keras's own file writers leave one intact file, the chief's",
+            when="always", fixes=("keras_multi_worker", "keras_files"),
+            attach=_keras_multi_worker),
+)
+
+
 # --- presets -----------------------------------------------------------------
 
 
@@ -227,6 +397,7 @@ def _default(options: config_lib.DefaultOptions):
     options=config_lib.OneDeviceOptions,
     summary="Everything on one named device (OneDeviceStrategy).",
     needs="one device",
+    features=COMMON_FEATURES,
 )
 def _one_device(options: config_lib.OneDeviceOptions):
     tf = import_tensorflow()
@@ -244,6 +415,8 @@ def _one_device(options: config_lib.OneDeviceOptions):
     options=config_lib.MirroredOptions,
     summary="Synchronous data parallelism over this machine's devices (MirroredStrategy).",
     needs="1+ local devices (all GPUs, else all logical CPUs)",
+    features=COMMON_FEATURES + SYNC_FEATURES,
+    fixes=("collective_keys",),
 )
 def _mirrored(options: config_lib.MirroredOptions):
     tf = import_tensorflow()
@@ -281,34 +454,29 @@ def _cross_device_ops(tf, name: str, devices: tuple[str, ...]):
 # --- multi_worker_mirrored ------------------------------------------------------
 
 
-@register_preset(
+register_preset(
     "multi_worker_mirrored",
     options=config_lib.MultiWorkerMirroredOptions,
     summary="Synchronous data parallelism over several processes/machines "
             "(MultiWorkerMirroredStrategy, ring all-reduce); Keras 3 fit fixed.",
     needs="TF_CONFIG with chief/worker tasks (set by `tfdist launch`); none for 1 worker",
+    features=MULTI_WORKER_FEATURES + COMMON_FEATURES + SYNC_FEATURES,
+    factory="tfdist.multi_worker:build_strategy",
 )
-def _multi_worker_mirrored(options: config_lib.MultiWorkerMirroredOptions):
-    from tfdist import multi_worker
 
-    return multi_worker.build_strategy(options)
-
-
-# --- parameter_server (tfdist/ps/) ------------------------------------------------
-
-
-@register_preset(
+register_preset(
     "parameter_server",
     options=config_lib.ParameterServerOptions,
     summary="Asynchronous parameter-server training (ParameterServerStrategy + "
             "ClusterCoordinator) with plain model.fit.",
     needs="an in-process cluster (local_workers, local_ps) or a TF_CONFIG cluster with "
           "a chief, 1+ workers and 1+ ps",
+    features=COMMON_FEATURES,
+    # Its factory installs the Keras fixes and worker recovery on the coordinator only
+    # (workers and ps serve inside it and never return).
+    fixes=("ps_keras", "ps_variables", "ps_fit", "ps_recovery"),
+    factory="tfdist.ps.strategy:make_strategy",
 )
-def _parameter_server(options: config_lib.ParameterServerOptions):
-    from tfdist import ps
-
-    return ps.make_strategy(options)
 
 
 # --- auto (cost model / planner) ---------------------------------------------------
@@ -389,4 +557,4 @@ def _auto(options: config_lib.AutoOptions):
     # name already says tfdist.
     logger.warning("auto chose preset %r because %s.", name, reason)
     chosen = get_preset(name)
-    return chosen.factory(chosen.options())
+    return _build(chosen, chosen.options())  # the chosen preset's strategy and features

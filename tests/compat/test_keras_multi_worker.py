@@ -66,6 +66,8 @@ def test_fixes_install_together_pass_through_and_uninstall():
     tfdist.compat.uninstall()
     trainer = _trainer()
     stock = (trainer.TensorFlowTrainer._maybe_symbolic_build, trainer.reduce_per_replica)
+    # Every make_strategy installs keras_build's fix: start without it, whatever ran before.
+    tfdist.compat.uninstall([keras_build.SYMBOLIC_BUILD])
     with tfdist.compat.uninstall_after():
         assert set(keras_multi_worker.install()) == {keras_build.SYMBOLIC_BUILD,
                                                      keras_multi_worker.REDUCE_PER_REPLICA}

@@ -85,11 +85,11 @@ def test_quick_run_writes_the_report(tmp_path):
 
 
 def test_points_from_other_modules_validate_the_cost_model():
-    from tfdist import cost
+    from tfdist import planning
 
-    link = cost.Link(bandwidth=1e9, latency=1e-4)
+    link = planning.Link(bandwidth=1e9, latency=1e-4)
     sizes = [2**k for k in range(10, 27, 2)]
-    raw = [{"bytes": k, "seconds": cost.ring_allreduce_time(k, 2, link)} for k in sizes]
+    raw = [{"bytes": k, "seconds": planning.ring_allreduce_time(k, 2, link)} for k in sizes]
     rows = [{"name": "allreduce_points", "value": 9.0, "unit": "points", "target": None,
              "ratio": None, "note": "", "source": "bench_multiworker", "points": raw},
             {"name": "other", "value": 1.0, "unit": "", "target": None, "ratio": None,

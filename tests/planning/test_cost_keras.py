@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tfdist import cost
+from tfdist import planning
 from tfdist._tf import import_tensorflow
 
 tf = import_tensorflow()
@@ -79,8 +79,8 @@ def _inputs(model, batch):
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_params_and_grads_equal_the_real_variables_and_gradients(model_name):
     model = MODELS[model_name]()
-    stats = cost.model_stats(model)
-    memory = cost.replica_memory(stats, per_replica_batch_size=4, optimizer="sgd")
+    stats = planning.model_stats(model)
+    memory = planning.replica_memory(stats, per_replica_batch_size=4, optimizer="sgd")
     assert memory.parameters == _nbytes(model.trainable_variables)
     assert stats.num_params == model.count_params() - sum(
         math.prod(w.shape) for w in model.non_trainable_weights)
@@ -98,8 +98,8 @@ def test_optimizer_state_equals_the_built_optimizer_variables(model_name, optimi
     model = MODELS[model_name]()
     optimizer = OPTIMIZERS[optimizer_name]()
     optimizer.build(model.trainable_variables)
-    memory = cost.replica_memory(cost.model_stats(model), per_replica_batch_size=1,
-                                 optimizer=cost.optimizer_state(optimizer))
+    memory = planning.replica_memory(planning.model_stats(model), per_replica_batch_size=1,
+                                     optimizer=planning.optimizer_state(optimizer))
     assert memory.optimizer == _nbytes(optimizer.variables)
 
 
@@ -108,8 +108,8 @@ def test_compiled_optimizer_is_read_by_the_planner():
 
     model = _mlp()
     model.compile(optimizer=keras.optimizers.SGD(momentum=0.9), loss="mse")
-    plan = tfdist.plan(model, global_batch_size=8, machine=cost.Machine(
-        device=cost.Device(kind="CPU", memory=2**30), link=cost.Link(bandwidth=1e9)))
+    plan = tfdist.plan(model, global_batch_size=8, machine=planning.Machine(
+        device=planning.Device(kind="CPU", memory=2**30), link=planning.Link(bandwidth=1e9)))
     assert plan.optimizer.slots_per_variable == 1
     assert plan.recommended == "default"
 
@@ -117,19 +117,19 @@ def test_compiled_optimizer_is_read_by_the_planner():
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])
 def test_activations_are_the_layer_outputs(model_name):
     model = MODELS[model_name]()
-    stats = cost.model_stats(model)
+    stats = planning.model_stats(model)
     # Independent count: run a model returning every layer's output.
     probe = keras.Model(model.inputs[0], [layer.output for layer in model.layers
                                        if not isinstance(layer, keras.layers.InputLayer)])
     batch = 3
     values = probe(_inputs(model, batch))
     assert stats.activation_bytes_per_example * batch == _nbytes(values)
-    memory = cost.replica_memory(stats, per_replica_batch_size=batch)
+    memory = planning.replica_memory(stats, per_replica_batch_size=batch)
     assert memory.activations == _nbytes(values)
 
 
 def test_nested_models_are_expanded_into_their_layers():
-    stats = cost.model_stats(_nested())
+    stats = planning.model_stats(_nested())
     assert [layer.name.split("/")[0] for layer in stats.layers] == ["inner", stats.layers[1].name]
     assert [layer.output_shape for layer in stats.layers] == [(4,), (2,)]
     assert stats.activation_bytes_per_example == (4 + 2) * 4
@@ -143,9 +143,9 @@ def test_flops_by_hand():
     h = keras.layers.Dense(64, activation="relu")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(10)(h))
     # matmul 2*in*out, bias add 1 per output, relu 1 per output
-    assert cost.model_stats(model).forward_flops_per_example == \
+    assert planning.model_stats(model).forward_flops_per_example == \
         2 * 20 * 64 + 64 + 64 + 2 * 64 * 10 + 10
-    cnn = cost.model_stats(_cnn())
+    cnn = planning.model_stats(_cnn())
     # conv1: 3x3x3 per output of 16x16x8, + bias + relu; pool 2x2 windows over 8x8x8;
     # conv2: 3x3x8 per output of 6x6x16 + bias; global average: its 6x6x16 inputs;
     # dense 16x5 + bias.
@@ -157,7 +157,7 @@ def test_flops_by_hand():
 def test_unbuilt_model_is_rejected():
     model = keras.Sequential([keras.layers.Dense(3)], name="lazy")
     with pytest.raises(ValueError, match=r"Model 'lazy' is not built \(it has no variables yet\)"):
-        cost.model_stats(model)
+        planning.model_stats(model)
 
 
 def test_subclassed_model_without_symbolic_outputs_is_rejected():
@@ -173,7 +173,7 @@ def test_subclassed_model_without_symbolic_outputs_is_rejected():
     model(np.zeros((1, 4), "float32"))
     with pytest.raises(ValueError, match=r"Cannot analyse subclassed model 'sub' \(Sub\): its "
                                          r"layers have no symbolic graph.*from_param_count"):
-        cost.model_stats(model)
+        planning.model_stats(model)
 
 
 def test_unknown_dimensions_are_rejected():
@@ -181,8 +181,8 @@ def test_unknown_dimensions_are_rejected():
     model = keras.Model(inputs, keras.layers.Dense(2)(inputs), name="ragged")
     with pytest.raises(ValueError, match=r"Input '.*' has shape \(None, None, 4\): dimensions "
                                          r"besides the batch are unknown.*input_shapes="):
-        cost.model_stats(model)
+        planning.model_stats(model)
     # Given the length, it traces: 2 x 4 x 2 per position + bias, over 7 positions.
-    stats = cost.model_stats(model, input_shapes=(7, 4))
+    stats = planning.model_stats(model, input_shapes=(7, 4))
     assert stats.forward_flops_per_example == 7 * (2 * 4 * 2 + 2)
     assert stats.activation_bytes_per_example == 7 * 2 * 4

@@ -2,10 +2,10 @@
 
 - Memory: TensorFlow's allocator statistics (`get_memory_info`) while a model's
   variables, Adam slots and gradients are created, in a fresh process, against
-  `cost.replica_memory`'s parameter / optimizer / gradient bytes.
+  `planning.replica_memory`'s parameter / optimizer / gradient bytes.
 - FLOPs: TensorFlow's profiler on the model's own traced forward pass (plus the
   Einsum FLOPs it does not register: 2 x the product of the index sizes),
-  against `cost.model_stats`, on a ViT, a GPT-2-style decoder with a tied head
+  against `planning.model_stats`, on a ViT, a GPT-2-style decoder with a tied head
   and ResNet50 (plain Keras and keras.applications; the KerasHub versions run in
   tests/split/test_zoo.py).
 """
@@ -20,14 +20,15 @@ import tensorflow as tf
 
 from tests.support import run_python
 from tests.support import TiedEmbedding, profiler_flops
-from tfdist import cost, flops
+from tfdist import planning
+from tfdist.planning import flops
 
 MEASURE = textwrap.dedent("""
     import json
     import tfdist
     tf = tfdist.import_tensorflow()
     import keras
-    from tfdist import cost
+    from tfdist import planning
 
     def allocated():
         return tf.config.experimental.get_memory_info("CPU:0")["current"]
@@ -48,8 +49,8 @@ MEASURE = textwrap.dedent("""
     grads = tape.gradient(loss, model.trainable_variables)
     del tape, loss
     after_gradients = allocated()
-    memory = cost.replica_memory(cost.model_stats(model), per_replica_batch_size=2,
-                                 optimizer=optimizer)
+    memory = planning.replica_memory(planning.model_stats(model), per_replica_batch_size=2,
+                                     optimizer=optimizer)
     print(json.dumps({
         "parameters": [after_variables - start, memory.parameters],
         "optimizer": [after_slots - after_variables, memory.optimizer],
@@ -123,7 +124,7 @@ def gpt():
 def test_forward_flops_match_the_profiler(name, build, shape, spec):
     keras.utils.set_random_seed(0)
     model = build()
-    stats = cost.model_stats(model, input_shapes=shape)
+    stats = planning.model_stats(model, input_shapes=shape)
     ratio = stats.forward_flops_per_example / profiler_flops(model, spec)
     assert 0.95 <= ratio <= 1.05, (name, ratio)  # the target was 0.6-1.4
     # Per-layer FLOPs add up to the total, and the transformer blocks are seen.
@@ -144,14 +145,14 @@ def test_text_model_needs_and_takes_input_shapes():
     model = gpt()
     with pytest.raises(ValueError, match=r"Input 'token_ids' has shape \(None, None\).*"
                                          r"input_shapes=\{'token_ids': \(128,\)\}"):
-        cost.model_stats(model)
-    short = cost.model_stats(model, input_shapes={"token_ids": (8,)})
-    long = cost.model_stats(model, input_shapes=[(16,)])
+        planning.model_stats(model)
+    short = planning.model_stats(model, input_shapes={"token_ids": (8,)})
+    long = planning.model_stats(model, input_shapes=[(16,)])
     # Position-wise layers double with the length; attention scores grow faster.
     assert 2.0 < long.forward_flops_per_example / short.forward_flops_per_example < 2.2
     assert long.activation_bytes_per_example > 1.9 * short.activation_bytes_per_example
     with pytest.raises(ValueError, match=r"input_shapes\['token_ids'\] must be 1 positive"):
-        cost.model_stats(model, input_shapes={"token_ids": (0,)})
+        planning.model_stats(model, input_shapes={"token_ids": (0,)})
     with pytest.raises(ValueError, match=r"names inputs the model does not have: \['ids'\]"):
-        cost.model_stats(model, input_shapes={"ids": (8,)})
+        planning.model_stats(model, input_shapes={"ids": (8,)})
     assert np.isfinite(long.forward_flops_per_example)

@@ -9,7 +9,8 @@ import os
 import pytest
 
 import tfdist
-from tfdist import cost, planner, strategies
+from tfdist import planning, strategies
+from tfdist.planning import planner
 from tests.support import run_python
 
 GB = 10**9
@@ -17,16 +18,16 @@ GiB = 2**30
 
 
 def _node(num_devices=8, memory="80GB", bandwidth="300GB/s", latency="5us", flops=None):
-    return cost.Machine(
-        device=cost.Device(kind="GPU", memory=cost.parse_bytes(memory), peak_flops=flops),
+    return planning.Machine(
+        device=planning.Device(kind="GPU", memory=planning.parse_bytes(memory), peak_flops=flops),
         num_devices=num_devices,
-        link=cost.Link(bandwidth=cost.parse_bandwidth(bandwidth),
-                       latency=cost.parse_duration(latency)))
+        link=planning.Link(bandwidth=planning.parse_bandwidth(bandwidth),
+                           latency=planning.parse_duration(latency)))
 
 
 def _stats(params, act=0, flops=None):
-    return cost.ModelStats.from_param_count(int(params), activation_bytes_per_example=act,
-                                            forward_flops_per_example=flops)
+    return planning.ModelStats.from_param_count(int(params), activation_bytes_per_example=act,
+                                                forward_flops_per_example=flops)
 
 
 def test_one_billion_params_on_8x80gb_is_mirrored_with_the_numbers():
@@ -85,10 +86,10 @@ def test_nothing_fits_recommends_nothing_and_says_why():
 @pytest.mark.parametrize("machines", [1, 2])
 def test_never_recommends_what_it_has_not_checked(params, memory, machines):
     node = _node(memory=memory)
-    hardware = cost.Cluster(machine=node, num_machines=machines,
-                            network=cost.Link(bandwidth=3e9)) if machines > 1 else node
+    hardware = node if machines == 1 else planning.HardwareCluster(
+        machine=node, num_machines=machines, network=planning.Link(bandwidth=3e9))
     plan = tfdist.plan(stats=_stats(params, act=10**5), global_batch_size=256, machine=hardware)
-    device_memory = cost.parse_bytes(memory)
+    device_memory = planning.parse_bytes(memory)
     if plan.recommended is None:
         assert not any(c.fits for c in plan.candidates)
         return
@@ -98,9 +99,10 @@ def test_never_recommends_what_it_has_not_checked(params, memory, machines):
     if plan.recommended == "split":
         assert plan.split.stage_memory.total <= device_memory
         # and one stage fewer would not have fit
-        fewer = cost.replica_memory(plan.stats, optimizer=plan.optimizer,
-                                    per_replica_batch_size=256 // plan.split.data_parallel_groups,
-                                    stages=plan.split.stages - 1)
+        fewer = planning.replica_memory(
+            plan.stats, optimizer=plan.optimizer,
+            per_replica_batch_size=256 // plan.split.data_parallel_groups,
+            stages=plan.split.stages - 1)
         assert fewer.total > device_memory or plan.split.stages == 2
 
 
@@ -109,10 +111,10 @@ def test_split_uses_the_real_layers_of_a_keras_model(monkeypatch):
     keras = pytest.importorskip("keras")
     model = keras.Sequential([keras.Input((256,))] + [
         keras.layers.Dense(256, name=f"d{i}") for i in range(8)])
-    stats = cost.model_stats(model)
+    stats = planning.model_stats(model)
     per_layer = (256 * 256 + 256) * 4 * 4  # weights, grads, 2 Adam slots
-    tiny = cost.Machine(device=cost.Device(kind="CPU", memory=int(per_layer * 2.5)),
-                        num_devices=4, link=cost.Link(bandwidth=1e9))
+    tiny = planning.Machine(device=planning.Device(kind="CPU", memory=int(per_layer * 2.5)),
+                            num_devices=4, link=planning.Link(bandwidth=1e9))
     plan = tfdist.plan(stats=stats, global_batch_size=4, machine=tiny)
     assert plan.recommended == "split"
     assert plan.split.stages == 4 and plan.split.stage_boundaries == (0, 2, 4, 6)
@@ -122,9 +124,9 @@ def test_split_uses_the_real_layers_of_a_keras_model(monkeypatch):
 
 
 def test_cluster_prefers_multi_worker_and_explains_parameter_servers():
-    cluster = cost.Cluster(machine=_node(), num_machines=4,
-                           network=cost.Link(bandwidth=cost.parse_bandwidth("25Gbps"),
-                                             latency=1e-5))
+    cluster = planning.HardwareCluster(machine=_node(), num_machines=4,
+                                       network=planning.Link(bandwidth=planning.parse_bandwidth("25Gbps"),
+                                                             latency=1e-5))
     plan = tfdist.plan(stats=_stats(1e8), global_batch_size=512, machine=cluster, num_ps=2)
     assert plan.recommended == "multi_worker_mirrored"
     mwms = plan.candidate("multi_worker_mirrored")
@@ -171,7 +173,7 @@ def test_plan_as_dict_is_json():
     ({}, r"plan\(\) needs a model"),
     ({"stats": _stats(10), "global_batch_size": 0}, r"global_batch_size must be an integer >= 1\. "
                                                     r"Received: global_batch_size=0"),
-    ({"stats": _stats(10), "machine": "dgx"}, r"machine must be a tfdist\.cost\.Machine"),
+    ({"stats": _stats(10), "machine": "dgx"}, r"machine must be a tfdist\.planning\.Machine"),
     ({"stats": _stats(10), "optimizer": "shampoo"}, r"Unknown optimizer 'shampoo'"),
     ({"stats": _stats(10), "num_ps": 0}, r"num_ps must be an integer > 0"),
 ])
@@ -379,14 +381,14 @@ def test_cli_bad_input_is_a_clear_error(args, message):
 
 
 def _four_gpus(memory="24GB"):
-    return cost.Machine(device=cost.Device(memory=cost.parse_bytes(memory)), num_devices=4,
-                        link=cost.Link(bandwidth=100e9))
+    return planning.Machine(device=planning.Device(memory=planning.parse_bytes(memory)),
+                            num_devices=4, link=planning.Link(bandwidth=100e9))
 
 
 def test_variants_are_costed_and_only_available_ones_recommended(monkeypatch):
     """A 2B-parameter Adam model: the replica (29.8 GiB) does not fit 24 GB, but with the
     optimizer slots sharded over 4 it does (18.6 GiB)."""
-    stats = cost.ModelStats.from_param_count(2 * 10**9)
+    stats = planning.ModelStats.from_param_count(2 * 10**9)
     monkeypatch.setattr(planner, "variant_available", lambda preset, variant: False)
     plan = tfdist.plan(stats=stats, global_batch_size=64, machine=_four_gpus())
     zero1 = plan.candidate_named("mirrored[shard=optimizer]")
@@ -438,11 +440,11 @@ def test_sequence_parallel_is_recommended_when_activations_do_not_fit():
         x = x + keras.layers.MultiHeadAttention(4, 16)(x, x)
         x = keras.layers.LayerNormalization()(x)
     model = keras.Model(ids, keras.layers.Dense(100)(x))
-    stats = cost.model_stats(model)
-    need = cost.replica_memory(stats, per_replica_batch_size=1, optimizer="adam")
+    stats = planning.model_stats(model)
+    need = planning.replica_memory(stats, per_replica_batch_size=1, optimizer="adam")
     memory = int(need.state + need.activations / 3)  # fits only with activations / 4
-    machine = cost.Machine(device=cost.Device(memory=memory), num_devices=4,
-                           link=cost.Link(bandwidth=100e9))
+    machine = planning.Machine(device=planning.Device(memory=memory), num_devices=4,
+                               link=planning.Link(bandwidth=100e9))
     plan = tfdist.plan(stats=stats, global_batch_size=1, machine=machine)
     assert (plan.recommended, plan.recommended_options) == ("default",
                                                             (("sequence_parallel", "4"),))

@@ -5,7 +5,7 @@
 CASE is one of:
 - mirrored2: 2 logical CPUs. Adam at stages 1-3, SGD+momentum and AdamW at
   stages 2-3, against the single-device run; a BatchNormalization model
-  against unsharded mirrored; per-device bytes against tfdist.cost;
+  against unsharded mirrored; per-device bytes against tfdist.planning;
   checkpoints both ways; tfdist.BackupAndRestore resume; a custom training
   loop; the bad-input errors.
 - mirrored4: 4 logical CPUs: Adam / SGD+momentum / AdamW at stages 1 / 2 / 3;
@@ -182,17 +182,17 @@ def sharded(num_devices=None, devices=None, **options):
 
 
 def memory_check(model, stage: int, offload: bool = False) -> dict:
-    """Measured per-device bytes next to tfdist.cost's prediction for this stage."""
+    """Measured per-device bytes next to tfdist.planning's prediction for this stage."""
     import tfdist
-    from tfdist import cost
+    from tfdist import planning
     from tfdist.sharding import memory, plan_of
 
     strategy = model.distribute_strategy
     plan = plan_of(strategy)
     sizes = [int(v.shape.num_elements()) for v in model.trainable_variables]
-    predicted = cost.sharded_state_bytes(
+    predicted = planning.sharded_state_bytes(
         sizes, stage=stage, num_shards=strategy.num_replicas_in_sync,
-        optimizer=cost.optimizer_state(model.optimizer), min_shard_bytes=MIN_BYTES,
+        optimizer=planning.optimizer_state(model.optimizer), min_shard_bytes=MIN_BYTES,
         offload=offload)
     measured = memory.state_bytes(model)
     return {"predicted": {"parameters": predicted.parameters, "gradients": predicted.gradients,

@@ -8,7 +8,7 @@ process. Training end to end: tests/sharding/test_training.py.
 import pytest
 
 from tfdist import config as config_lib
-from tfdist import cost
+from tfdist import planning
 from tfdist.sharding import layout as layout_lib
 
 
@@ -88,12 +88,12 @@ def test_shard_flags_come_from_the_options():
 def test_sharded_state_bytes_by_hand():
     # fp32, N = 4, min 100 bytes: 10 elements (40 B) stay whole; 100 and 1000 elements are
     # split into 25 and 250 per replica. s = 275*4 = 1100, w = 1100*4 = 4400, r = 40.
-    adam = cost.OptimizerState(name="adam", slots_per_variable=2, scalar_bytes=12)
+    adam = planning.OptimizerState(name="adam", slots_per_variable=2, scalar_bytes=12)
     sizes = [10, 100, 1000]
 
     def state(stage, offload=False):
-        b = cost.sharded_state_bytes(sizes, stage=stage, num_shards=4, optimizer=adam,
-                                     min_shard_bytes=100, offload=offload)
+        b = planning.sharded_state_bytes(sizes, stage=stage, num_shards=4, optimizer=adam,
+                                         min_shard_bytes=100, offload=offload)
         return b.parameters, b.gradients, b.optimizer, b.offloaded
 
     assert state(0) == (4440, 4440, 2 * 4440 + 12, 0)
@@ -106,18 +106,18 @@ def test_sharded_state_bytes_by_hand():
 @pytest.mark.parametrize("stage, per_param", [(0, 16), (1, 8 + 8 / 4), (2, 4 + 12 / 4),
                                               (3, 16 / 4)])
 def test_fp32_adam_bytes_per_parameter(stage, per_param):
-    adam = cost.OptimizerState(name="adam", slots_per_variable=2, scalar_bytes=0)
-    total = cost.sharded_state_bytes([4000], stage=stage, num_shards=4, optimizer=adam).total
+    adam = planning.OptimizerState(name="adam", slots_per_variable=2, scalar_bytes=0)
+    total = planning.sharded_state_bytes([4000], stage=stage, num_shards=4, optimizer=adam).total
     assert total / 4000 == per_param
 
 
 def test_sharded_state_bytes_rejects_bad_input():
     with pytest.raises(ValueError, match=r"stage must be 0, 1, 2 or 3. Received: stage=4"):
-        cost.sharded_state_bytes([10], stage=4, num_shards=2)
+        planning.sharded_state_bytes([10], stage=4, num_shards=2)
     with pytest.raises(ValueError, match=r"num_shards must be"):
-        cost.sharded_state_bytes([10], stage=1, num_shards=0)
+        planning.sharded_state_bytes([10], stage=1, num_shards=0)
     with pytest.raises(ValueError, match=r"needs stage >= 1. Received: stage=0, offload=True"):
-        cost.sharded_state_bytes([10], stage=0, num_shards=2, offload=True)
+        planning.sharded_state_bytes([10], stage=0, num_shards=2, offload=True)
 
 
 def test_compat_fixes_match_this_keras_and_tensorflow():

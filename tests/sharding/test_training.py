@@ -72,7 +72,7 @@ def test_four_replicas_equal_one_device(four):
 @pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
 def test_bytes_on_each_device_equal_the_cost_model(two, stage):
     # Read from the variables (and, for gradients, the traced step's reduced gradient
-    # tensors) on each device; predicted by tfdist.cost.sharded_state_bytes.
+    # tensors) on each device; predicted by tfdist.planning.sharded_state_bytes.
     check = two["memory"][stage]
     assert sorted(check["measured"]) == sorted(check["replicas"])
     for device in check["replicas"]:

@@ -13,7 +13,7 @@ Per family, on 2 logical CPUs (one process, fp32):
   every weight within 1e-5 of the unsplit model built with the same seed;
 - placed: every variable of every layer sits on its planned stage device
   (tfdist.split.pipeline.check_placement), and both stages hold variables;
-- flops: `tfdist.cost.model_stats` forward FLOPs over TensorFlow's profiler on
+- flops: `tfdist.planning.model_stats` forward FLOPs over TensorFlow's profiler on
   the same model's traced forward pass (batch 1), with the profiler's missing
   Einsum FLOPs added (2 x the product of the index sizes); within 0.6-1.4 counts.
 """
@@ -36,7 +36,7 @@ import keras  # noqa: E402
 
 from tests import zoo  # noqa: E402
 from tests.support import profiler_flops  # noqa: E402
-from tfdist import cost  # noqa: E402
+from tfdist import planning  # noqa: E402
 from tfdist.split import pipeline  # noqa: E402
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -68,7 +68,7 @@ def check(family) -> dict:
     x, y = family.batch(BATCH, seed=0)
     start = time.perf_counter()
     try:
-        stats = cost.model_stats(family.build(seed=0), input_shapes=_input_shapes(x))
+        stats = planning.model_stats(family.build(seed=0), input_shapes=_input_shapes(x))
         reference = _profiler_flops(family.build(seed=0), x)
         row["flops_ratio"] = stats.forward_flops_per_example / reference if reference else None
     except Exception as e:  # noqa: BLE001 - the row records any failure

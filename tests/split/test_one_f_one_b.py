@@ -10,7 +10,7 @@ import keras
 import tfdist
 from tests.support import run_python
 from tests.support import assert_fit_matches
-from tfdist.split import Plan, one_f_one_b
+from tfdist.split import SplitPlan, one_f_one_b
 
 TOL = 1e-5
 RNG = np.random.default_rng(0)
@@ -29,8 +29,8 @@ def residual_model(seed=1):
     return keras.Model(inp, keras.layers.Dense(1, name="out")(d))
 
 
-PLAN = Plan.from_dict({"d0": "/cpu:0", "d1": "/cpu:1", "add": "/cpu:2", "d2": "/cpu:2",
-                       "out": "/cpu:2"})
+PLAN = SplitPlan.from_dict({"d0": "/cpu:0", "d1": "/cpu:1", "add": "/cpu:2", "d2": "/cpu:2",
+                            "out": "/cpu:2"})
 
 
 def test_schedule_is_one_forward_one_backward():

@@ -8,22 +8,24 @@ from absl import flags
 
 from tfdist import config
 from tfdist import flags as tfdist_flags
+from tfdist import devices
+from tfdist.planning import pipeline
 from tfdist.split import plan as plan_lib
-from tfdist.split.plan import Plan, TensorParallel
+from tfdist.split.plan import SplitPlan, TensorParallel
 
 
 def test_canonical_device_forms():
-    assert plan_lib.canonical_device("/cpu:1") == "/device:CPU:1"
-    assert plan_lib.canonical_device("CPU:1") == "/device:CPU:1"
-    assert plan_lib.canonical_device("/device:GPU:0") == "/device:GPU:0"
-    assert plan_lib.canonical_device("/job:worker/task:1/device:CPU:0") == \
+    assert devices.canonical_device("/cpu:1") == "/device:CPU:1"
+    assert devices.canonical_device("CPU:1") == "/device:CPU:1"
+    assert devices.canonical_device("/device:GPU:0") == "/device:GPU:0"
+    assert devices.canonical_device("/job:worker/task:1/device:CPU:0") == \
         "/job:worker/task:1/device:CPU:0"
     with pytest.raises(ValueError, match="Received: device='gpu-one'"):
-        plan_lib.canonical_device("gpu-one")
+        devices.canonical_device("gpu-one")
 
 
 def test_plan_stages_are_runs_in_order():
-    plan = Plan.from_dict({"a": "/cpu:0", "b": "/cpu:0", "c": "/cpu:1", "d": "/cpu:0"})
+    plan = SplitPlan.from_dict({"a": "/cpu:0", "b": "/cpu:0", "c": "/cpu:1", "d": "/cpu:0"})
     assert plan.stages == (("/device:CPU:0", ("a", "b")), ("/device:CPU:1", ("c",)),
                            ("/device:CPU:0", ("d",)))
     assert plan.num_stages == 3
@@ -32,7 +34,7 @@ def test_plan_stages_are_runs_in_order():
 
 
 def test_plan_is_frozen_and_replace_returns_new_plan():
-    plan = Plan.from_dict({"a": "/cpu:0", "b": "/cpu:1"})
+    plan = SplitPlan.from_dict({"a": "/cpu:0", "b": "/cpu:1"})
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.assignments = ()
     moved = plan.replace({"b": "/cpu:0"})
@@ -43,13 +45,14 @@ def test_plan_is_frozen_and_replace_returns_new_plan():
 
 def test_plan_rejects_bad_entries():
     with pytest.raises(ValueError, match="at least one layer"):
-        Plan(assignments=())
+        SplitPlan(assignments=())
     with pytest.raises(ValueError, match="appears twice"):
-        Plan(assignments=(("a", "/cpu:0"), ("a", "/cpu:1")))
+        SplitPlan(assignments=(("a", "/cpu:0"), ("a", "/cpu:1")))
     with pytest.raises(ValueError, match="device name"):
-        Plan(assignments=(("a", "cpu0"),))
+        SplitPlan(assignments=(("a", "cpu0"),))
     with pytest.raises(ValueError, match="not in the plan"):
-        Plan.from_dict({"a": "/cpu:0"}, tensor_parallel={"b": ("column", ["/cpu:0", "/cpu:1"])})
+        SplitPlan.from_dict({"a": "/cpu:0"},
+                            tensor_parallel={"b": ("column", ["/cpu:0", "/cpu:1"])})
     with pytest.raises(ValueError, match="mode must be one of"):
         TensorParallel(mode="diagonal", devices=("/cpu:0", "/cpu:1"))
     with pytest.raises(ValueError, match=">= 2 distinct devices"):
@@ -57,21 +60,21 @@ def test_plan_rejects_bad_entries():
 
 
 def test_plan_json_round_trip(tmp_path):
-    plan = Plan.from_dict({"a": "/cpu:0", "b": "/cpu:1"},
-                          tensor_parallel={"b": ("row", ["/cpu:1", "/cpu:2"])})
+    plan = SplitPlan.from_dict({"a": "/cpu:0", "b": "/cpu:1"},
+                               tensor_parallel={"b": ("row", ["/cpu:1", "/cpu:2"])})
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert Plan.load(path) == plan
+    assert SplitPlan.load(path) == plan
     assert json.loads(path.read_text())["format"] == "tfdist.split.Plan/1"
     (tmp_path / "bad.json").write_text('{"assignments": []}')
     with pytest.raises(ValueError, match="Not a tfdist plan"):
-        Plan.load(tmp_path / "bad.json")
+        SplitPlan.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="not found"):
-        Plan.load(tmp_path / "missing.json")
+        SplitPlan.load(tmp_path / "missing.json")
 
 
 def test_in_model_order_and_mismatch():
-    plan = Plan.from_dict({"b": "/cpu:1", "a": "/cpu:0"})
+    plan = SplitPlan.from_dict({"b": "/cpu:1", "a": "/cpu:0"})
     assert plan_lib.in_model_order(plan, ["a", "b"]).layer_names == ("a", "b")
     with pytest.raises(ValueError, match=r"Layers without a device: \['c'\]"):
         plan_lib.in_model_order(plan, ["a", "b", "c"])
@@ -97,7 +100,7 @@ def test_rules_exactly_one_match():
 def test_balance_contiguous_is_optimal():
     # Brute force over all cut points for a small case.
     costs = [5, 1, 1, 1, 4, 2, 2]
-    stages = plan_lib.balance_contiguous(costs, [1, 1, 1])
+    stages = pipeline.balance_contiguous(costs, [1, 1, 1])
     assert stages == sorted(stages) and set(stages) == {0, 1, 2}
     load = max(sum(c for c, s in zip(costs, stages) if s == k) for k in range(3))
     best = min(max(sum(costs[:i]), sum(costs[i:j]), sum(costs[j:]))
@@ -107,13 +110,13 @@ def test_balance_contiguous_is_optimal():
 
 def test_balance_device_weights_give_fast_device_more():
     costs = [1.0] * 9
-    stages = plan_lib.balance_contiguous(costs, [2.0, 1.0])
+    stages = pipeline.balance_contiguous(costs, [2.0, 1.0])
     assert stages.count(0) == 6 and stages.count(1) == 3
 
 
 def test_balance_needs_a_layer_per_stage():
     with pytest.raises(ValueError, match="Cannot split 2 layer"):
-        plan_lib.balance_contiguous([1, 1], [1, 1, 1])
+        pipeline.balance_contiguous([1, 1], [1, 1, 1])
 
 
 def test_bubble_formulas():
@@ -159,8 +162,8 @@ def test_large_inputs_use_bisection_with_the_same_optimum():
     for n, k in ((40, 3), (70, 5)):
         costs = [rng.random() for _ in range(n)]
         weights = [rng.choice([1.0, 2.0]) for _ in range(k)]
-        exact = plan_lib.balance_contiguous(costs, weights)
-        fast = plan_lib._balance_by_bisection(np.concatenate([[0.0], np.cumsum(costs)]), weights)
+        exact = pipeline.balance_contiguous(costs, weights)
+        fast = pipeline._balance_by_bisection(np.concatenate([[0.0], np.cumsum(costs)]), weights)
 
         def load(stages, costs=costs, weights=weights, k=k):
             return max(sum(c for c, s in zip(costs, stages) if s == j) / weights[j]
@@ -168,7 +171,7 @@ def test_large_inputs_use_bisection_with_the_same_optimum():
 
         assert fast == sorted(fast) and set(fast) == set(range(k))
         assert load(fast) == pytest.approx(load(exact), rel=1e-9)
-    many = plan_lib.balance_contiguous([1.0] * 900, [1.0] * 64)  # bisection path
+    many = pipeline.balance_contiguous([1.0] * 900, [1.0] * 64)  # bisection path
     assert set(many) == set(range(64)) and max(many.count(s) for s in range(64)) == 15
 
 

@@ -12,7 +12,7 @@ import pytest
 import keras
 
 import tfdist
-from tfdist.split import Plan
+from tfdist.split import SplitPlan
 from tfdist.split.pipeline import check_placement
 
 from tests.support import TiedEmbedding, assert_fit_matches
@@ -129,7 +129,7 @@ def test_one_layer_called_twice_in_two_stages():
 
     x = RNG.standard_normal((16, 8)).astype("float32")
     y = RNG.standard_normal((16, 1)).astype("float32")
-    plan = Plan.from_dict({"shared": "/cpu:0", "middle": "/cpu:1", "out": "/cpu:1"})
+    plan = SplitPlan.from_dict({"shared": "/cpu:0", "middle": "/cpu:1", "out": "/cpu:1"})
     split, _ = _train_both(build, x, y, plan=plan)
     second = [n for n in split.stages[1].nodes if n.layer == "shared"]
     assert len(second) == 1  # its second call runs on stage 1
@@ -163,8 +163,8 @@ def test_init_weights_and_non_round_tripping_config_are_placed_and_equal():
 
     x = RNG.standard_normal((16, 8)).astype("float32")
     y = RNG.standard_normal((16, 1)).astype("float32")
-    plan = Plan.from_dict({"first": "/cpu:0", "custom_a": "/cpu:0", "custom_b": "/cpu:1",
-                           "out": "/cpu:1"})
+    plan = SplitPlan.from_dict({"first": "/cpu:0", "custom_a": "/cpu:0", "custom_b": "/cpu:1",
+                                "out": "/cpu:1"})
     split, _ = _train_both(build, x, y, plan=plan)
     assert [_dev(w) for w in split.placed_layers()["custom_b"].weights] == ["CPU:1"]
 
@@ -216,14 +216,14 @@ def _model():
     (lambda m: tfdist.split_model(m, devices=[0, 1]),
      r"device must be a TensorFlow device name.*Received: device=0"),
     (lambda m: tfdist.split_model(m, plan={"i": "/cpu:0", "o": "/cpu:1"}),
-     r"plan must be a tfdist.split.Plan.*Received: dict"),
-    (lambda m: tfdist.split_model(m, plan=Plan.from_dict({"i": "/cpu:0", "o": "/cpu:1"}),
+     r"plan must be a tfdist.split.SplitPlan.*Received: dict"),
+    (lambda m: tfdist.split_model(m, plan=SplitPlan.from_dict({"i": "/cpu:0", "o": "/cpu:1"}),
                                   num_stages=2, balance_by="flops"),
      r"num_stages, balance_by shape the automatic plan; with plan= given they would be ignored"),
-    (lambda m: tfdist.split_model(m, plan=Plan.from_dict({"i": "/cpu:0", "o": "/cpu:1"}),
+    (lambda m: tfdist.split_model(m, plan=SplitPlan.from_dict({"i": "/cpu:0", "o": "/cpu:1"}),
                                   device_weights=[1, 2]),
      r"device_weights shape the automatic plan"),
-    (lambda m: tfdist.split_model(m, plan=Plan.from_dict({"i": "/cpu:0", "o": "/cpu:1"}),
+    (lambda m: tfdist.split_model(m, plan=SplitPlan.from_dict({"i": "/cpu:0", "o": "/cpu:1"}),
                                   devices=["/cpu:2", "/cpu:3"]),
      r"The plan uses devices .*CPU:0.* that devices= does not list"),
     (lambda m: tfdist.split_model(m, devices=DEVICES, balance_by="bytes"),

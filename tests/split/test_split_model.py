@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 import tfdist
-from tfdist.split import Plan, plan_balanced, plan_from_rules
+from tfdist.split import SplitPlan, plan_balanced, plan_from_rules
 
 from tests.support import assert_fit_matches
 
@@ -56,8 +56,8 @@ def _fit(model, optimizer, epochs=1, batch_size=16):
 
 # --- placement ------------------------------------------------------------------------------
 def test_variables_forward_backward_and_slots_on_planned_devices():
-    plan = Plan.from_dict({"d0": "/cpu:2", "d1": "/cpu:3", "add": "/cpu:3", "d2": "/cpu:3",
-                           "out": "/cpu:3"})
+    plan = SplitPlan.from_dict({"d0": "/cpu:2", "d1": "/cpu:3", "add": "/cpu:3", "d2": "/cpu:3",
+                                "out": "/cpu:3"})
     split = tfdist.split_model(residual_model(), plan=plan, micro_batches=2)
     want = {"d0": "CPU:2", "d1": "CPU:3", "d2": "CPU:3", "out": "CPU:3"}
     for name, layer in split.placed_layers().items():
@@ -159,8 +159,8 @@ def test_sequential_three_stages_and_report():
 
 
 def test_skip_connection_crossing_a_cut_is_carried():
-    plan = Plan.from_dict({"d0": "/cpu:0", "d1": "/cpu:1", "add": "/cpu:2", "d2": "/cpu:2",
-                           "out": "/cpu:2"})
+    plan = SplitPlan.from_dict({"d0": "/cpu:0", "d1": "/cpu:1", "add": "/cpu:2", "d2": "/cpu:2",
+                                "out": "/cpu:2"})
     split = tfdist.split_model(residual_model(), plan=plan, micro_batches=2)
     crossing = [[t[0] for t in cut.tensors] for cut in split.cuts]
     assert crossing == [["d0"], ["d0", "d1"]]  # d0's output skips stage 1
@@ -203,8 +203,8 @@ def test_plan_from_rules_on_a_model():
 def test_tensor_parallel_column_and_row_equal_unsplit():
     model = residual_model()
     tp = {"d0": ("column", ["/cpu:0", "/cpu:2"]), "d1": ("row", ["/cpu:1", "/cpu:3"])}
-    plan = Plan.from_dict({"d0": "/cpu:0", "d1": "/cpu:1", "add": "/cpu:1", "d2": "/cpu:1",
-                           "out": "/cpu:1"})
+    plan = SplitPlan.from_dict({"d0": "/cpu:0", "d1": "/cpu:1", "add": "/cpu:1", "d2": "/cpu:1",
+                                "out": "/cpu:1"})
     split = tfdist.split_model(model, plan=plan, micro_batches=2, tensor_parallel=tp)
     layers = split.placed_layers()
     assert [_dev(w) for w in layers["d0"].weights] == ["CPU:0", "CPU:0", "CPU:2", "CPU:2"]
@@ -249,7 +249,8 @@ def test_tensor_parallel_attention_heads_equal_unsplit():
     reference = attention_model()  # the split changes `model`'s attention in place
     tokens = RNG.standard_normal((16, 6, 8)).astype("float32")
     target = RNG.standard_normal((16, 1)).astype("float32")
-    plan = Plan.from_dict({"mha": "/cpu:0", "res": "/cpu:0", "pool": "/cpu:1", "head": "/cpu:1"})
+    plan = SplitPlan.from_dict({"mha": "/cpu:0", "res": "/cpu:0", "pool": "/cpu:1",
+                                "head": "/cpu:1"})
     split = tfdist.split_model(model, plan=plan, micro_batches=2,
                                tensor_parallel={"mha": ("column", ["/cpu:2", "/cpu:3"])})
     mha = split.placed_layers()["mha"]
@@ -318,8 +319,8 @@ def test_bad_input_errors():
         tfdist.split_model(model, devices=["/cpu:0"], micro_batches=0)
     with pytest.raises(ValueError, match="replicas=3"):
         tfdist.split_model(model, devices=["/cpu:0", "/cpu:1"], replicas=3)
-    plan = Plan.from_dict({"d0": "/cpu:1", "d1": "/cpu:0", "add": "/cpu:0", "d2": "/cpu:0",
-                           "out": "/cpu:0"})
+    plan = SplitPlan.from_dict({"d0": "/cpu:1", "d1": "/cpu:0", "add": "/cpu:0", "d2": "/cpu:0",
+                                "out": "/cpu:0"})
     split = tfdist.split_model(model, plan=plan, micro_batches=4)
     with pytest.raises(ValueError, match="batch of 6 samples cannot be split into micro_batches=4"):
         split(X[:6], training=True)
@@ -330,7 +331,7 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="multiple of 4"):
         split.fit(X, Y, batch_size=10, verbose=0)
     with pytest.raises(ValueError, match="Layers without a device"):
-        tfdist.split_model(model, plan=Plan.from_dict({"d0": "/cpu:0"}))
+        tfdist.split_model(model, plan=SplitPlan.from_dict({"d0": "/cpu:0"}))
 
 
 def test_batch_normalization_rejected_with_micro_batches():

@@ -22,7 +22,8 @@ import sys
 
 from absl import flags
 
-from tfdist import cost, planner
+from tfdist import planning
+from tfdist.planning import planner
 
 _MODEL = flags.DEFINE_string(
     "model", None, "The model to plan for: an example model from models/ (mlp, cnn, "
@@ -45,7 +46,7 @@ _FLOPS = flags.DEFINE_string(
     "(enables step-time estimates with --device_flops).")
 _BATCH = flags.DEFINE_integer("global_batch_size", 256, "Examples per step over all replicas.")
 _OPTIMIZER = flags.DEFINE_string(
-    "optimizer", "adam", f"Optimizer whose state to count: {', '.join(cost.OPTIMIZER_SLOTS)}.")
+    "optimizer", "adam", f"Optimizer whose state to count: {', '.join(planning.OPTIMIZER_SLOTS)}.")
 _CLUSTER = flags.DEFINE_string(
     "cluster", None, "The hardware as JSON (or a path to a .json file) with keys machines, "
     "devices, device_kind, device_memory, device_flops, bandwidth, latency, "
@@ -89,7 +90,7 @@ def parse_count(text: str, *, what: str) -> float:
     return value
 
 
-def cluster_from_dict(spec: dict) -> cost.Cluster:
+def cluster_from_dict(spec: dict) -> planning.HardwareCluster:
     """Builds the hardware from a description such as the --cluster JSON.
 
     Raises:
@@ -117,25 +118,25 @@ def cluster_from_dict(spec: dict) -> cost.Cluster:
     if machines > 1 and "network_bandwidth" not in spec:
         raise ValueError(f"{machines} machines need network_bandwidth (e.g. \"25Gbps\"). "
                          "Received: network_bandwidth missing.")
-    link = cost.Link(
-        bandwidth=cost.parse_bandwidth(spec["bandwidth"]) if "bandwidth" in spec
+    link = planning.Link(
+        bandwidth=planning.parse_bandwidth(spec["bandwidth"]) if "bandwidth" in spec
         else planner.DEFAULT_LOCAL_LINK.bandwidth,
-        latency=cost.parse_duration(spec.get("latency", 0)))
+        latency=planning.parse_duration(spec.get("latency", 0)))
     network = None
     if "network_bandwidth" in spec:
-        network = cost.Link(
-            bandwidth=cost.parse_bandwidth(spec["network_bandwidth"], what="network_bandwidth"),
-            latency=cost.parse_duration(spec.get("network_latency", 0), what="network_latency"))
+        network = planning.Link(
+            bandwidth=planning.parse_bandwidth(spec["network_bandwidth"], what="network_bandwidth"),
+            latency=planning.parse_duration(spec.get("network_latency", 0), what="network_latency"))
     flops = spec.get("device_flops")
-    device = cost.Device(
+    device = planning.Device(
         kind=spec.get("device_kind", "GPU"),
-        memory=cost.parse_bytes(spec["device_memory"], what="device_memory"),
+        memory=planning.parse_bytes(spec["device_memory"], what="device_memory"),
         peak_flops=None if flops is None else parse_count(flops, what="device_flops"))
-    return cost.Cluster(machine=cost.Machine(device=device, num_devices=devices, link=link),
-                        num_machines=machines, network=network)
+    machine = planning.Machine(device=device, num_devices=devices, link=link)
+    return planning.HardwareCluster(machine=machine, num_machines=machines, network=network)
 
 
-def _cluster_from_flags() -> cost.Cluster:
+def _cluster_from_flags() -> planning.HardwareCluster:
     given = {name: getattr(flags.FLAGS, name) for name in _CLUSTER_KEYS}
     given = {k: v for k, v in given.items() if v is not None}
     if _CLUSTER.value is not None:
@@ -160,11 +161,11 @@ def _cluster_from_flags() -> cost.Cluster:
         local = planner.this_machine()
         link = local.link
         if given:
-            link = cost.Link(
-                bandwidth=cost.parse_bandwidth(given.get("bandwidth", link.bandwidth)),
-                latency=cost.parse_duration(given.get("latency", link.latency)))
-        return cost.Cluster(machine=cost.Machine(device=local.device,
-                                                 num_devices=local.num_devices, link=link))
+            link = planning.Link(
+                bandwidth=planning.parse_bandwidth(given.get("bandwidth", link.bandwidth)),
+                latency=planning.parse_duration(given.get("latency", link.latency)))
+        return planning.HardwareCluster(machine=planning.Machine(
+            device=local.device, num_devices=local.num_devices, link=link))
     if "device_memory" not in given:
         raise ValueError("--device_memory is required when describing other hardware "
                          "(e.g. --devices=8 --device_memory=80GB): the planner checks every "
@@ -180,9 +181,9 @@ def _stats():
         if _INPUT_SHAPE.value is not None:
             raise ValueError("--input_shape goes with --model. Received: --params and "
                              f"--input_shape={','.join(_INPUT_SHAPE.value)}.")
-        return cost.ModelStats.from_param_count(
+        return planning.ModelStats.from_param_count(
             int(parse_count(_PARAMS.value, what="params")),
-            activation_bytes_per_example=0 if _ACTIVATIONS.value is None else cost.parse_bytes(
+            activation_bytes_per_example=0 if _ACTIVATIONS.value is None else planning.parse_bytes(
                 _ACTIVATIONS.value, what="activation_bytes"),
             forward_flops_per_example=None if _FLOPS.value is None else parse_count(
                 _FLOPS.value, what="flops_per_example"))
@@ -195,7 +196,7 @@ def _stats():
     model, built_with_shape = load_model(_MODEL.value, shape, _NUM_CLASSES.value)
     input_shapes = per_input if per_input is not None else (
         None if built_with_shape or shape is None else shape)
-    return cost.model_stats(model, input_shapes=input_shapes)
+    return planning.model_stats(model, input_shapes=input_shapes)
 
 
 def parse_input_shape(value: list[str] | None):
@@ -311,35 +312,35 @@ def _check_model(model, spec: str):
     return model
 
 
-def format_plan(plan: planner.Plan) -> str:
+def format_plan(plan: planner.Recommendation) -> str:
     """The plan as text: the hardware, one line per candidate, the recommendation."""
     c = plan.cluster
     m = c.machine
     dev = m.device
     lines = [
         f"hardware: {c.num_machines} machine(s) x {m.num_devices} {dev.kind}(s), "
-        f"{cost.format_bytes(dev.memory)} each"
+        f"{planning.format_bytes(dev.memory)} each"
         + (f", {dev.peak_flops / 1e12:.1f} TFLOP/s peak" if dev.peak_flops else "")
-        + f"; link {m.link.bandwidth / 1e9:.2f} GB/s, {cost.format_seconds(m.link.latency)}"
+        + f"; link {m.link.bandwidth / 1e9:.2f} GB/s, {planning.format_seconds(m.link.latency)}"
         + ("" if c.network is None else
            f"; network {c.network.bandwidth / 1e9:.3f} GB/s, "
-           f"{cost.format_seconds(c.network.latency)}"),
+           f"{planning.format_seconds(c.network.latency)}"),
         f"model: {plan.stats.num_params:,} parameters, "
-        f"{cost.format_bytes(plan.stats.trainable_bytes)}; optimizer {plan.optimizer.name} "
+        f"{planning.format_bytes(plan.stats.trainable_bytes)}; optimizer {plan.optimizer.name} "
         f"({plan.optimizer.slots_per_variable} slot(s)); global batch {plan.global_batch_size}",
         "",
         f"{'candidate':<44} {'replicas':>8} {'batch/rep':>9} {'memory/dev':>12} {'fits':>4} "
         f"{'comm/step':>12} {'comm time':>10} {'step':>10}",
     ]
     for cand in plan.candidates:
-        mem = "-" if cand.memory is None else cost.format_bytes(cand.memory.total)
-        step = "-" if cand.step_time is None else cost.format_seconds(cand.step_time)
+        mem = "-" if cand.memory is None else planning.format_bytes(cand.memory.total)
+        step = "-" if cand.step_time is None else planning.format_seconds(cand.step_time)
         name = cand.name + ("" if cand.registered else "*")
         lines.append(
             f"{name:<44} {cand.num_replicas:>8} {cand.per_replica_batch_size or '-':>9} "
             f"{mem:>12} {'yes' if cand.fits else 'no':>4} "
-            f"{cost.format_bytes(cand.communication_bytes):>12} "
-            f"{cost.format_seconds(cand.communication_time):>10} {step:>10}")
+            f"{planning.format_bytes(cand.communication_bytes):>12} "
+            f"{planning.format_seconds(cand.communication_time):>10} {step:>10}")
     if any(not cand.registered for cand in plan.candidates):
         lines.append("(* not available in this installation: costed, never recommended)")
     options = "".join(f", {k}={v!r}" for k, v in plan.recommended_options)

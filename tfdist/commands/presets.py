@@ -1,4 +1,4 @@
-"""`tfdist presets`: the registered strategy presets, their options and needs."""
+"""`tfdist presets`: the registered strategy presets, their options, needs and features."""
 
 from __future__ import annotations
 
@@ -15,4 +15,13 @@ def main(argv: list[str]) -> int:
         for field in preset.options.option_fields():
             default = field.default if field.default is not dataclasses.MISSING else "(required)"
             print(f"  --{field.name} (default {default!r}): {field.metadata.get('help', '')}")
+        if preset.fixes:
+            print(f"  its factory uses: {', '.join(preset.fixes)}")
+        for feature in preset.features:
+            print(f"  adds {feature.name} ({feature.when}; fixes {', '.join(feature.fixes)}): "
+                  f"{feature.summary}")
+        if name == "auto":
+            print("  adds what the preset it chooses adds")
+        elif name == "default":
+            print("  adds nothing: TensorFlow's default strategy is never changed")
     return 0

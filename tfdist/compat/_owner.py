@@ -3,31 +3,15 @@
 Every fix in tfdist.compat passes straight through to the original code unless
 the object it is called on belongs to a strategy made by `tfdist.make_strategy`
 (or a variable created under one). A user's own `tf.distribute.MirroredStrategy`
-in the same process, or a plain model with no strategy, runs stock Keras.
+in the same process, or a plain model with no strategy, runs stock Keras. The
+record of what tfdist made is `tfdist.state` (one `StrategyState` per strategy).
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
-_lock = threading.Lock()
-_strategies: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def adopt(strategy: Any) -> Any:
-    """Marks `strategy` as made by tfdist (so tfdist's fixes apply to it); returns it.
-
-    Raises:
-      ValueError: for TensorFlow's default strategy (shared by every plain model).
-    """
-    if is_default_strategy(strategy):
-        raise ValueError("tfdist never adopts TensorFlow's default strategy: plain models "
-                         "in this process must keep running stock Keras.")
-    with _lock:
-        _strategies.add(strategy)
-    return strategy
+from tfdist import state as state_lib
 
 
 def is_default_strategy(strategy: Any) -> bool:
@@ -42,12 +26,7 @@ def is_default_strategy(strategy: Any) -> bool:
 
 def owns(strategy: Any) -> bool:
     """True if tfdist made `strategy` (None and the default strategy: False)."""
-    if strategy is None:
-        return False
-    try:
-        return strategy in _strategies
-    except TypeError:  # unhashable or not weak-referenceable: not ours
-        return False
+    return state_lib.state_of(strategy) is not None
 
 
 def current_strategy() -> Any:

@@ -48,18 +48,13 @@ reproduction: docs/numerics.md.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
+from tfdist import state as state_lib
 from tfdist.compat import _owner, _patch
 
 UPSTREAM_ISSUE = ("not yet reported to keras-team/keras (moving statistics are NONE-aggregated "
                   "MirroredVariables updated per replica); related keras-team/keras#18667")
-
-_lock = threading.Lock()
-_sync_strategies: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
 
 def configure(strategy: Any, *, sync_batch_norm: bool) -> None:
     """Installs both fixes and sets whether `strategy` uses global-batch BN statistics.
@@ -72,25 +67,19 @@ def configure(strategy: Any, *, sync_batch_norm: bool) -> None:
     Raises:
       ValueError: `strategy` was not made by tfdist.
     """
-    if not _owner.owns(strategy):
+    state = state_lib.state_of(strategy)
+    if state is None:
         raise ValueError(
             "batch_norm.configure takes a strategy made by tfdist.make_strategy; tfdist never "
             f"changes how other strategies train. Received: {type(strategy).__name__}.")
     install()
-    with _lock:
-        if sync_batch_norm:
-            _sync_strategies.add(strategy)
-        else:
-            _sync_strategies.discard(strategy)
+    state.sync_batch_norm = bool(sync_batch_norm)
 
 
 def syncs_batch_norm(strategy: Any) -> bool:
     """True if `strategy` (one tfdist made) computes BN statistics over the global batch."""
-    with _lock:
-        try:
-            return strategy in _sync_strategies
-        except TypeError:
-            return False
+    state = state_lib.state_of(strategy)
+    return state is not None and state.sync_batch_norm
 
 
 # --- shared helpers ----------------------------------------------------------------

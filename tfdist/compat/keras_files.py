@@ -57,12 +57,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import threading
 import warnings
-import weakref
 from typing import Any, Callable
 
 from tfdist import chief as chief_lib
+from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
 from tfdist.compat import _owner
 from tfdist.compat._patch import (CompatError, Fix, install_all, passthrough,
@@ -77,24 +76,18 @@ _OLD = ".tfdist-old-"
 
 # --- who writes -------------------------------------------------------------------
 
-_roles: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()
-_roles_lock = threading.Lock()
-
-
 def role(strategy: Any) -> str | None:
     """'chief' or 'other' under a multi-worker MWMS tfdist made; None (pass through) otherwise."""
-    if strategy is None or not _owner.owns(strategy):
+    state = state_lib.state_of(strategy)
+    if state is None:
         return None
-    with _roles_lock:
-        try:
-            return _roles[strategy]
-        except KeyError:
-            pass
-        result = None
-        if is_multi_worker(strategy):
-            result = "chief" if strategy.extended.should_checkpoint else "other"
-        _roles[strategy] = result
-        return result
+    with state_lib.lock():
+        if not state.file_role_known:
+            state.file_role = None
+            if is_multi_worker(strategy):
+                state.file_role = "chief" if strategy.extended.should_checkpoint else "other"
+            state.file_role_known = True
+        return state.file_role
 
 
 def _model_role(model: Any) -> str | None:
@@ -127,21 +120,24 @@ def set_initial_epoch(model: Any, epoch: int) -> None:
     model._initial_epoch = epoch
 
 
-_barriers: "weakref.WeakKeyDictionary[Any, Callable]" = weakref.WeakKeyDictionary()
-
-
 def barrier(strategy: Any) -> None:
-    """Returns once every worker of `strategy` has called it (a one-number all-reduce)."""
+    """Returns once every worker of `strategy` has called it (a one-number all-reduce).
+
+    The traced function is kept on the record of a strategy tfdist made (a
+    user's strategy, under tfdist.BackupAndRestore, traces it each time).
+    """
     tf = import_tensorflow()
-    with _roles_lock:
-        function = _barriers.get(strategy)
+    state = state_lib.state_of(strategy)
+    with state_lib.lock():
+        function = None if state is None else state.barrier
         if function is None:
             @tf.function
             def function():
                 one = strategy.run(lambda: tf.constant(1.0))
                 return strategy.reduce(tf.distribute.ReduceOp.SUM, one, axis=None)
 
-            _barriers[strategy] = function
+            if state is not None:
+                state.barrier = function
     function()
 
 

@@ -70,6 +70,7 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
+from tfdist import state as state_lib
 from tfdist.compat import _owner, _patch
 
 UPSTREAM_ISSUE = "keras-team/keras#18692 (sparse updates slice by slice; not yet reported)"
@@ -103,18 +104,17 @@ class GradientSync:
 
 DEFAULT_SYNC = GradientSync()
 
-_syncs: "weakref.WeakKeyDictionary[Any, GradientSync]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def set_gradient_sync(strategy: Any, sync: GradientSync) -> None:
     """Makes `sync` the way `strategy` (one tfdist made) exchanges and applies gradients."""
-    if not _owner.owns(strategy):
+    state = state_lib.state_of(strategy)
+    if state is None:
         raise ValueError(
             "set_gradient_sync takes a strategy made by tfdist.make_strategy; tfdist never "
             f"changes how other strategies train. Received: {type(strategy).__name__}.")
-    with _lock:
-        _syncs[strategy] = sync
+    state.gradient_sync = sync
 
 
 _opted_in: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -140,9 +140,10 @@ def gradient_sync(strategy: Any, optimizer: Any = None) -> GradientSync | None:
     Strategies tfdist made have one (DEFAULT_SYNC unless set); other
     strategies have none, unless `optimizer` was passed to `opt_in`.
     """
+    state = state_lib.state_of(strategy)
+    if state is not None:
+        return DEFAULT_SYNC if state.gradient_sync is None else state.gradient_sync
     with _lock:
-        if _owner.owns(strategy):
-            return _syncs.get(strategy, DEFAULT_SYNC)
         if optimizer is not None and optimizer in _opted_in:
             return DEFAULT_SYNC
     return None

@@ -52,6 +52,7 @@ import time
 import weakref
 from typing import Any, Callable
 
+from tfdist import devices as devices_lib
 from tfdist.compat._patch import CompatError, require_attributes, require_signature
 
 logger = logging.getLogger("tfdist")
@@ -165,13 +166,6 @@ def _fail_fast_rpcs():
                 os.environ["GRPC_FAIL_FAST"] = previous
 
 
-def _worker_index(device_name: str) -> int | None:
-    try:
-        return int(device_name.rsplit("task:", 1)[1].split("/")[0])
-    except (IndexError, ValueError):
-        return None
-
-
 class PartialRecovery:
     """A ClusterCoordinator failure handler that recovers workers one by one (see module doc).
 
@@ -238,7 +232,7 @@ class PartialRecovery:
             if (not cc._is_worker_failure(e)
                     or self._cluster.closure_queue._cancellation_mgr.is_cancelled):
                 raise
-            index = _worker_index(worker_device_name)
+            index = devices_lib.task_index(worker_device_name)
             if index is None or index not in self._addresses:
                 raise
             logger.warning("tfdist: worker:%d (%s) failed: %s", index,

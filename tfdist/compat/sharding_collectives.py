@@ -30,9 +30,9 @@ with Keras's own all-reduces and every replica issues them in the same order.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
+from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
 
 
@@ -189,9 +189,6 @@ def reduce_scatter(strategy: Any, tensor: Any) -> Any:
         return summed
 
 
-_gather_functions: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
 def gather_blocks(strategy: Any, blocks: Any) -> Any:
     """All replicas' blocks, concatenated in rank order, from a cross-replica context.
 
@@ -201,14 +198,16 @@ def gather_blocks(strategy: Any, blocks: Any) -> Any:
     traces a new function on every call).
     """
     tf = import_tensorflow()
-    function = _gather_functions.get(strategy)
+    state = state_lib.state_of(strategy)
+    function = None if state is None else state.gather
     if function is None:
         def run(values):
             result = strategy.run(lambda value: all_gather(strategy, value), args=(values,))
             return strategy.experimental_local_results(result)[0]
 
         function = tf.function(run, reduce_retracing=True)
-        _gather_functions[strategy] = function
+        if state is not None:
+            state.gather = function
     return function(blocks)
 
 

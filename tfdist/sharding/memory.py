@@ -13,7 +13,7 @@
   sharding strategy records them; for another strategy tfdist made, call
   `record_gradients(strategy)` before training. Absent until recorded.
 
-These are what `tfdist.cost.sharded_state_bytes` predicts (see tests).
+These are what `tfdist.planning.sharded_state_bytes` predicts (tests/sharding/).
 """
 
 from __future__ import annotations

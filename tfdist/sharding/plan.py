@@ -9,10 +9,9 @@ tfdist.sharding looks the plan up with `plan_of(strategy)`.
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
 from typing import Any
 
+from tfdist import state as state_lib
 from tfdist.sharding import layout as layout_lib
 
 STAGES = {"none": 0, "optimizer": 1, "gradients": 2, "parameters": 3}
@@ -63,24 +62,15 @@ class ShardingPlan:
         return self.host_device if self.offload else self.local_devices[replica]
 
 
-_lock = threading.Lock()
-_plans: "weakref.WeakKeyDictionary[Any, ShardingPlan]" = weakref.WeakKeyDictionary()
-
-
 def plan_of(strategy: Any) -> ShardingPlan | None:
     """The sharding plan of `strategy`, or None if it does not shard."""
-    if strategy is None:
-        return None
-    try:
-        with _lock:
-            return _plans.get(strategy)
-    except TypeError:  # not weak-referenceable: not a strategy tfdist made
-        return None
+    state = state_lib.state_of(strategy)
+    return None if state is None else state.sharding_plan
 
 
 def register(strategy: Any, plan: ShardingPlan) -> None:
-    with _lock:
-        _plans[strategy] = plan
+    """Records `plan` on `strategy` (one tfdist made)."""
+    state_lib.state_of(strategy).sharding_plan = plan
 
 
 def host_device_for(local_devices: tuple[str, ...]) -> str:

@@ -4,13 +4,13 @@
     split.compile("adam", "mse"); split.fit(x, y, batch_size=64)
     print(tfdist.placement_report(split))
 
-Modules: plan (Plan data, no TensorFlow; the one contiguous partitioner),
+Modules: plan (SplitPlan data, no TensorFlow),
 balance (automatic and rule plans), graph (the model as a flat list of layer
 calls, cut into stages), pipeline (SplitModel, split_model), one_f_one_b (the
 1F1B schedule), tensor_parallel (ShardedDense), sequence_parallel, report
 (placement report).
-Names below load their module on first use, so `tfdist.split.Plan` works
-without importing TensorFlow.
+Names below load their module on first use, so `tfdist.split.SplitPlan` works
+without importing TensorFlow (`tfdist.split.Plan` is its deprecated former name).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Plan": "tfdist.split.plan",
+    "SplitPlan": "tfdist.split.plan",
     "TensorParallel": "tfdist.split.plan",
     "bubble_fraction": "tfdist.split.plan",
     "ideal_speedup": "tfdist.split.plan",
@@ -41,6 +41,10 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name == "Plan":
+        from tfdist.split import plan
+
+        return plan.__getattr__("Plan")  # warns
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tfdist.split' has no attribute {name!r}")

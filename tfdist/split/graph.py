@@ -433,7 +433,7 @@ class Cut:
         return " + ".join(parts) if parts else "0"
 
 
-def assign_stages(graph: LayerGraph, plan: plan_lib.Plan) -> dict[int, int]:
+def assign_stages(graph: LayerGraph, plan: plan_lib.SplitPlan) -> dict[int, int]:
     """Stage of each node: a layer's first call goes to its planned stage; other
     calls (a shared layer's later calls, keras ops) to the latest stage among
     the producers of their inputs.
@@ -467,7 +467,7 @@ def assign_stages(graph: LayerGraph, plan: plan_lib.Plan) -> dict[int, int]:
     return stage_of
 
 
-def cut_into_stages(graph: LayerGraph, plan: plan_lib.Plan) -> tuple[list[Stage], list[Cut]]:
+def cut_into_stages(graph: LayerGraph, plan: plan_lib.SplitPlan) -> tuple[list[Stage], list[Cut]]:
     """Cuts the flattened graph into the plan's stages."""
     stage_of = assign_stages(graph, plan)
     producer: dict[Key, tuple[int, str]] = {

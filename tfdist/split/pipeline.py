@@ -34,6 +34,7 @@ import numpy as np
 
 from tfdist._tf import import_tensorflow
 from tfdist.compat import keras_graph, placed_training
+from tfdist.devices import canonical_device
 from tfdist.split import balance, graph as graph_lib
 from tfdist.split import plan as plan_lib
 
@@ -60,7 +61,7 @@ class SplitModel(keras.Model):
     """A keras.Model running another model's layers across devices (see split_model).
 
     Attributes:
-      plan: the Plan (stages for replica 0).
+      plan: the SplitPlan (stages for replica 0).
       micro_batches: M.
       schedule: "free", "gpipe" or "1f1b".
       replicas: R data-parallel replicas (1 = none).
@@ -302,7 +303,7 @@ def _check_devices_arg(devices) -> list[str] | None:
                          f"Received: devices={devices!r}") from None
     if not devices:
         raise ValueError("devices must name at least one device. Received: devices=[]")
-    canon = [plan_lib.canonical_device(d) for d in devices]
+    canon = [canonical_device(d) for d in devices]
     seen, dups = set(), []
     for given, c in zip(devices, canon):
         if c in seen and given not in dups:
@@ -312,12 +313,12 @@ def _check_devices_arg(devices) -> list[str] | None:
         raise ValueError(
             f"Each device may appear once in devices (each is one pipeline stage or replica). "
             f"Received: devices={devices!r}; repeated: {dups}. To put several layers on one "
-            "device, give fewer stages, or write a Plan.")
+            "device, give fewer stages, or write a SplitPlan.")
     return canon
 
 
 def split_model(model, *, devices: Sequence[str] | None = None,
-                plan: plan_lib.Plan | None = None, micro_batches: int = 1,
+                plan: plan_lib.SplitPlan | None = None, micro_batches: int = 1,
                 num_stages: int | None = None, balance_by: str | None = None,
                 device_weights: Sequence[float] | None = None, replicas: int = 1,
                 tensor_parallel: Mapping | None = None, schedule: Schedule = "free",
@@ -339,7 +340,7 @@ def split_model(model, *, devices: Sequence[str] | None = None,
         whose call() applies its layers in order.
       devices: the devices, e.g. ["/cpu:0", "/cpu:1"]. With replicas=R, R*K
         devices grouped as R replicas x K stages. Default: the plan's devices.
-      plan: a Plan (layer -> device). Default: plan_balanced over `devices`.
+      plan: a SplitPlan (layer -> device). Default: plan_balanced over `devices`.
       micro_batches: M; each training batch must divide into M equal micro-batches.
       num_stages: K for the automatic plan (default: len(devices) / replicas).
       balance_by: "params" (default), "flops" or "time" (automatic plan only).
@@ -377,10 +378,10 @@ def split_model(model, *, devices: Sequence[str] | None = None,
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}. "
                          f"Received: schedule={schedule!r}")
-    if plan is not None and not isinstance(plan, plan_lib.Plan):
+    if plan is not None and not isinstance(plan, plan_lib.SplitPlan):
         raise ValueError(
-            "plan must be a tfdist.split.Plan (e.g. Plan.from_dict({'dense': '/cpu:0', ...}) "
-            f"or Plan.load(path)). Received: {type(plan).__name__} {plan!r:.80}")
+            "plan must be a tfdist.split.SplitPlan (e.g. SplitPlan.from_dict({'dense': '/cpu:0', "
+            f"...}}) or SplitPlan.load(path)). Received: {type(plan).__name__} {plan!r:.80}")
     if plan is not None:
         ignored = {k: v for k, v in (("num_stages", num_stages), ("balance_by", balance_by),
                                       ("device_weights", device_weights)) if v is not None}
@@ -400,7 +401,8 @@ def split_model(model, *, devices: Sequence[str] | None = None,
                 f"pipelines. Received: devices={devices}. Give replicas x stages devices.")
     if plan is None:
         if devices is None:
-            raise ValueError("split_model needs devices=[...] or plan=Plan(...). Received neither.")
+            raise ValueError("split_model needs devices=[...] or plan=SplitPlan(...). "
+                             "Received neither.")
         stage_devices = devices[: len(devices) // replicas]
         k = num_stages if num_stages is not None else len(stage_devices)
         if k != len(stage_devices):
@@ -479,7 +481,7 @@ def split_model(model, *, devices: Sequence[str] | None = None,
     return split
 
 
-def _place_layers(graph, plan: plan_lib.Plan, strategy) -> dict:
+def _place_layers(graph, plan: plan_lib.SplitPlan, strategy) -> dict:
     """Moves every layer's variables to its planned device; builds tensor-parallel layers.
 
     Returns {plan name: the layer the stages run} (the model's own layer, or
@@ -579,7 +581,7 @@ def split_from_options(model, options, *, devices: Sequence[str] | None = None):
 
     Returns the model unchanged for split="none", else a SplitModel: "auto"
     balances over `options.stages` devices (default: all logical devices, or
-    `devices`), a path loads a Plan file; with sequence_parallel=N a
+    `devices`), a path loads a SplitPlan file; with sequence_parallel=N a
     SequenceParallelModel over the first N devices.
     """
     from tfdist import devices as devices_lib
@@ -605,5 +607,5 @@ def split_from_options(model, options, *, devices: Sequence[str] | None = None):
                 f"--logical_devices={k} or fewer stages.")
         return split_model(model, devices=pool[:k], micro_batches=options.micro_batches,
                            balance_by=options.split_balance)
-    return split_model(model, plan=plan_lib.Plan.load(options.split),
+    return split_model(model, plan=plan_lib.SplitPlan.load(options.split),
                        micro_batches=options.micro_batches)

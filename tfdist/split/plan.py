@@ -1,13 +1,13 @@
 """Placement plans: which device runs each layer, and which layers are split.
 
-A `Plan` is a frozen, validated table `layer name -> device` in the model's
+A `SplitPlan` is a frozen, validated table `layer name -> device` in the model's
 layer order, plus optional tensor-parallel entries `layer name -> (mode,
 devices)`. Plans are plain data: this module imports no TensorFlow, so plans
 can be built, edited, saved and printed anywhere (the CLI, notebooks, tests).
 
 Three ways to get one:
 
-    plan = Plan.from_dict({"dense": "/cpu:0", "dense_1": "/cpu:1"})
+    plan = SplitPlan.from_dict({"dense": "/cpu:0", "dense_1": "/cpu:1"})
     plan = plan_balanced(model, 2, by="params")      # in balance.py (needs the model)
     plan = plan_from_rules(model, {"enc.*": "/cpu:0", "dec.*": "/cpu:1"})
 
@@ -23,24 +23,12 @@ import os
 import re
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
-from tfdist.config import check_device_name
+from tfdist.devices import canonical_device
+from tfdist.planning import pipeline
 
 TensorParallelMode = Literal["column", "row"]
 TP_MODES: tuple[str, ...] = ("column", "row")
-_FORMAT = "tfdist.split.Plan/1"
-
-
-def canonical_device(device: str) -> str:
-    """'/cpu:1', 'CPU:1', '/device:CPU:1' -> '/device:CPU:1' (no TensorFlow needed).
-
-    Raises:
-      ValueError: not a device name.
-    """
-    device = check_device_name(device)
-    match = re.search(r"(cpu|gpu|tpu):(\d+)$", device, re.IGNORECASE)
-    prefix = device[: match.start()].rstrip("/")
-    prefix = re.sub(r"/?device:?$", "", prefix, flags=re.IGNORECASE)
-    return f"{prefix}/device:{match.group(1).upper()}:{int(match.group(2))}"
+_FORMAT = "tfdist.split.Plan/1"  # the class's former name: saved plans keep loading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +61,7 @@ class TensorParallel:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SplitPlan:
     """A validated layer -> device table in model order (frozen; edit with `replace`).
 
     Attributes:
@@ -83,7 +71,7 @@ class Plan:
         arrive and their outputs leave (the first shard's device).
 
     Example:
-      >>> plan = Plan.from_dict({"a": "/cpu:0", "b": "/cpu:1"})
+      >>> plan = SplitPlan.from_dict({"a": "/cpu:0", "b": "/cpu:1"})
       >>> plan.stages
       (('/device:CPU:0', ('a',)), ('/device:CPU:1', ('b',)))
     """
@@ -128,7 +116,7 @@ class Plan:
     # --- construction -------------------------------------------------------------
     @classmethod
     def from_dict(cls, mapping: Mapping[str, str], *,
-                  tensor_parallel: Mapping[str, Any] | None = None) -> "Plan":
+                  tensor_parallel: Mapping[str, Any] | None = None) -> "SplitPlan":
         """Plan from {layer_name: device} (in the dict's order)."""
         tp = tuple((k, v if isinstance(v, TensorParallel) else
                     TensorParallel(mode=v[0], devices=tuple(v[1]))
@@ -137,7 +125,7 @@ class Plan:
         return cls(assignments=tuple(mapping.items()), tensor_parallel=tp)
 
     def replace(self, updates: Mapping[str, str] | None = None, *,
-                tensor_parallel: Mapping[str, Any] | None = None) -> "Plan":
+                tensor_parallel: Mapping[str, Any] | None = None) -> "SplitPlan":
         """A new plan with some layers moved (and/or tensor-parallel entries set).
 
         Args:
@@ -161,7 +149,7 @@ class Plan:
                 tp[name] = spec
             else:
                 tp[name] = TensorParallel(mode=spec[0], devices=tuple(spec[1]))
-        return Plan(assignments=assignments, tensor_parallel=tuple(tp.items()))
+        return SplitPlan(assignments=assignments, tensor_parallel=tuple(tp.items()))
 
     # --- views ----------------------------------------------------------------------
     @property
@@ -217,15 +205,15 @@ class Plan:
         }, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> "SplitPlan":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"A plan file must be JSON written by Plan.save: {e}") from None
+            raise ValueError(f"A plan file must be JSON written by SplitPlan.save: {e}") from None
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(
                 f"Not a tfdist plan: expected a JSON object with \"format\": \"{_FORMAT}\". "
-                "Write plans with Plan.save(path) (or `tfdist.split.save_plan`)."
+                "Write plans with SplitPlan.save(path) (or `tfdist.split.save_plan`)."
             )
         tp = tuple((n, TensorParallel(mode=s["mode"], devices=tuple(s["devices"])))
                    for n, s in data.get("tensor_parallel", {}).items())
@@ -237,7 +225,7 @@ class Plan:
             f.write(self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike) -> "SplitPlan":
         if not os.path.exists(path):
             raise ValueError(f"Plan file not found. Received: path={str(path)!r}")
         with open(path, encoding="utf-8") as f:
@@ -252,7 +240,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def validate_against(plan: Plan, layer_names: Sequence[str]) -> None:
+def validate_against(plan: SplitPlan, layer_names: Sequence[str]) -> None:
     """Checks that a plan covers exactly the model's layers, in the model's order.
 
     Raises:
@@ -270,7 +258,7 @@ def validate_against(plan: Plan, layer_names: Sequence[str]) -> None:
         )
 
 
-def in_model_order(plan: Plan, layer_names: Sequence[str]) -> Plan:
+def in_model_order(plan: SplitPlan, layer_names: Sequence[str]) -> SplitPlan:
     """The same plan with assignments sorted into the model's layer order.
 
     Stages follow the model's order (the data flow), whatever order a
@@ -278,8 +266,8 @@ def in_model_order(plan: Plan, layer_names: Sequence[str]) -> Plan:
     """
     validate_against(plan, layer_names)
     devices = dict(plan.assignments)
-    return Plan(assignments=tuple((n, devices[n]) for n in layer_names),
-                tensor_parallel=plan.tensor_parallel)
+    return SplitPlan(assignments=tuple((n, devices[n]) for n in layer_names),
+                     tensor_parallel=plan.tensor_parallel)
 
 
 def rules_to_assignments(layer_names: Iterable[str],
@@ -332,97 +320,21 @@ def rules_to_assignments(layer_names: Iterable[str],
     return tuple(out)
 
 
-def balance_contiguous(costs: Sequence[float], weights: Sequence[float]) -> list[int]:
-    """Splits costs into len(weights) contiguous non-empty parts minimising max(part/weight).
-
-    The one contiguous-stage partitioner of tfdist: `plan_balanced` (costs:
-    parameter bytes, FLOPs or time) and the planner (costs: bytes per layer)
-    both cut with it. Exact dynamic programme, O(K * N^2) comparisons done N
-    at a time with numpy; N is the number of layers. Ties go to the later
-    cut, so early stages are not overloaded.
-
-    Returns:
-      The stage index of each item.
-    """
-    import numpy as np
-
-    n, k = len(costs), len(weights)
-    if k > n:
-        raise ValueError(
-            f"Cannot split {n} layer(s) into {k} stages: every stage needs at least one "
-            f"layer. Received: num_stages={k}. Use num_stages <= {n}."
-        )
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=float))])
-    if k * n * n > 4_000_000:  # hundreds of layers: the same optimum, found faster
-        return _balance_by_bisection(prefix, [float(w) for w in weights])
-    inf = float("inf")
-    # best[s, i]: minimal bottleneck placing the first i items on the first s stages
-    best = np.full((k + 1, n + 1), inf)
-    cut = np.zeros((k + 1, n + 1), dtype=int)
-    best[0, 0] = 0.0
-    for s in range(1, k + 1):
-        w = float(weights[s - 1])
-        for i in range(s, n - (k - s) + 1):
-            j = np.arange(s - 1, i)
-            values = np.maximum(best[s - 1, j], (prefix[i] - prefix[j]) / w)
-            low = values.min()
-            if low == inf:
-                continue
-            ties = np.nonzero(values <= low + 1e-12 * max(1.0, abs(low)))[0]
-            best[s, i], cut[s, i] = low, j[ties[-1]]
-    stages = [0] * n
-    i = n
-    for s in range(k, 0, -1):
-        j = int(cut[s, i])
-        for t in range(j, i):
-            stages[t] = s - 1
-        i = j
-    return stages
-
-
-def _greedy(prefix, weights, limit: float) -> list[int] | None:
-    """Cut points giving every stage at most `limit` (cost/weight), taking as much as
-    possible per stage while leaving an item for each later stage; None if impossible."""
-    n, k = len(prefix) - 1, len(weights)
-    starts, i = [], 0
-    for s, w in enumerate(weights):
-        starts.append(i)
-        room = n - (k - s - 1)  # items left for the later stages
-        j = i + 1
-        if (prefix[j] - prefix[i]) / w > limit:
-            return None
-        while j < room and (prefix[j + 1] - prefix[i]) / w <= limit:
-            j += 1
-        i = j
-    return starts if i == n else None
-
-
-def _balance_by_bisection(prefix, weights) -> list[int]:
-    """The minimal bottleneck by bisection on its value (feasibility is monotone and
-    checked greedily in O(N)); exact up to float resolution."""
-    low, high = 0.0, float(prefix[-1]) / min(weights) + 1.0
-    for _ in range(200):
-        mid = (low + high) / 2
-        if _greedy(prefix, weights, mid) is None:
-            low = mid
-        else:
-            high = mid
-        if high - low <= 1e-12 * max(1.0, high):
-            break
-    starts = _greedy(prefix, weights, high)
-    n = len(prefix) - 1
-    stages = [0] * n
-    for s, start in enumerate(starts):
-        end = starts[s + 1] if s + 1 < len(starts) else n
-        stages[start:end] = [s] * (end - start)
-    return stages
-
-
 def bubble_fraction(num_stages: int, micro_batches: int) -> float:
-    """GPipe's idle fraction (K-1)/(M+K-1)."""
-    return (num_stages - 1) / (micro_batches + num_stages - 1)
+    """GPipe's idle fraction (K-1)/(M+K-1) (`tfdist.planning.pipeline_bubble`)."""
+    return pipeline.pipeline_bubble(stages=num_stages, micro_batches=micro_batches)
 
 
 def ideal_speedup(num_stages: int, micro_batches: int) -> float:
     """K*M/(M+K-1): K stages busy except during the fill/drain bubble."""
-    return num_stages * micro_batches / (micro_batches + num_stages - 1)
+    return pipeline.pipeline_speedup(stages=num_stages, micro_batches=micro_batches)
+
+
+def __getattr__(name: str):
+    if name == "Plan":  # SplitPlan's former name (the planner had a Plan too)
+        import warnings
+
+        warnings.warn("tfdist.split.Plan is now tfdist.split.SplitPlan.", DeprecationWarning,
+                      stacklevel=2)
+        return SplitPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,8 +2,9 @@
 
 import pytest
 
-from tfdist import cost
-from tfdist.comm import planning, powersgd
+from tfdist import planning
+from tfdist.comm import powersgd
+from tfdist.planning import communication
 
 MLP = [(784, 1024), (1024,), (1024, 1024), (1024,), (1024, 512), (512,), (512, 10), (10,)]
 
@@ -21,27 +22,27 @@ def test_wire_bytes_worked_out_by_hand():
     numbers = sum(a * (b if b else 1) for a, b in ((784, 1024), (1024, 0), (1024, 1024),
                                                      (1024, 0), (1024, 512), (512, 0),
                                                      (512, 10), (10, 0)))
-    assert cost.compressed_gradient_bytes(MLP) == 4 * numbers
-    assert cost.compressed_gradient_bytes(MLP, compression="fp16") == 2 * numbers
-    assert cost.compressed_gradient_bytes(MLP, compression="bf16") == 2 * numbers
+    assert planning.compressed_gradient_bytes(MLP) == 4 * numbers
+    assert planning.compressed_gradient_bytes(MLP, compression="fp16") == 2 * numbers
+    assert planning.compressed_gradient_bytes(MLP, compression="bf16") == 2 * numbers
     factors = (784 + 1024) * 4 + (1024 + 1024) * 4 + (1024 + 512) * 4 + (512 + 10) * 4
     whole = 1024 + 1024 + 512 + 10
-    assert cost.compressed_gradient_bytes(MLP, compression="powersgd", rank=4) == 4 * (
+    assert planning.compressed_gradient_bytes(MLP, compression="powersgd", rank=4) == 4 * (
         factors + whole)
     with pytest.raises(ValueError, match="compression must be one of none, fp16, bf16, "
                                          "powersgd. Received: compression='zip'"):
-        cost.compressed_gradient_bytes(MLP, compression="zip")
+        planning.compressed_gradient_bytes(MLP, compression="zip")
 
 
 def test_allreduce_time_counts_powersgd_two_rounds():
-    link = cost.Link(bandwidth=1e9, latency=1e-3)
-    plain = cost.compressed_allreduce_time(MLP, 2, link)
-    assert plain == pytest.approx(cost.ring_allreduce_time(cost.compressed_gradient_bytes(MLP),
-                                                           2, link))
-    low = cost.compressed_allreduce_time(MLP, 2, link, compression="powersgd")
-    k = cost.compressed_gradient_bytes(MLP, compression="powersgd")
+    link = planning.Link(bandwidth=1e9, latency=1e-3)
+    plain = planning.compressed_allreduce_time(MLP, 2, link)
+    assert plain == pytest.approx(
+        planning.ring_allreduce_time(planning.compressed_gradient_bytes(MLP), 2, link))
+    low = planning.compressed_allreduce_time(MLP, 2, link, compression="powersgd")
+    k = planning.compressed_gradient_bytes(MLP, compression="powersgd")
     assert low == pytest.approx(2 * 2e-3 + k / 1e9)
-    assert cost.compressed_allreduce_time(MLP, 1, link, compression="fp16") == 0.0
+    assert planning.compressed_allreduce_time(MLP, 1, link, compression="fp16") == 0.0
 
 
 def test_rank_check_names_the_variable():
@@ -54,28 +55,28 @@ def test_rank_check_names_the_variable():
 
 
 def test_recommend():
-    slow = cost.Link(bandwidth=0.2e9, latency=1e-3)
-    method, reason = planning.recommend(shapes=MLP, num_replicas=2, link=slow,
+    slow = planning.Link(bandwidth=0.2e9, latency=1e-3)
+    method, reason = communication.recommend(shapes=MLP, num_replicas=2, link=slow,
                                         compute_seconds=0.02)
     assert method == "powersgd", reason
     assert "instead of" in reason
-    fast = cost.Link(bandwidth=100e9, latency=1e-6)
-    assert planning.recommend(shapes=MLP, num_replicas=2, link=fast,
+    fast = planning.Link(bandwidth=100e9, latency=1e-6)
+    assert communication.recommend(shapes=MLP, num_replicas=2, link=fast,
                               compute_seconds=0.5)[0] == "none"
-    assert planning.recommend(shapes=MLP, num_replicas=1, link=slow,
+    assert communication.recommend(shapes=MLP, num_replicas=1, link=slow,
                               compute_seconds=0.02)[0] == "none"
-    rows = planning.candidates(shapes=MLP, num_replicas=2, link=slow, compute_seconds=0.02)
+    rows = communication.candidates(shapes=MLP, num_replicas=2, link=slow, compute_seconds=0.02)
     assert [r.compression for r in rows] == ["none", "fp16", "bf16", "powersgd"]
     assert rows[1].wire_bytes * 2 == rows[0].wire_bytes
 
 
 def test_candidates_from_gradient_bytes_only():
-    slow = cost.Link(bandwidth=0.2e9, latency=1e-3)
-    rows = planning.candidates(gradient_bytes=9_000_000, num_replicas=2, link=slow,
+    slow = planning.Link(bandwidth=0.2e9, latency=1e-3)
+    rows = communication.candidates(gradient_bytes=9_000_000, num_replicas=2, link=slow,
                                compute_seconds=0.02)
     assert [r.compression for r in rows] == ["none", "fp16", "bf16"]
     assert rows[0].wire_bytes == 9_000_000 and rows[1].wire_bytes == 4_500_000
-    assert planning.recommend(gradient_bytes=9_000_000, num_replicas=2, link=slow,
+    assert communication.recommend(gradient_bytes=9_000_000, num_replicas=2, link=slow,
                               compute_seconds=0.02)[0] in ("fp16", "bf16")
     with pytest.raises(ValueError, match="Pass shapes"):
-        planning.candidates(num_replicas=2, link=slow, compute_seconds=0.02)
+        communication.candidates(num_replicas=2, link=slow, compute_seconds=0.02)

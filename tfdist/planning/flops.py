@@ -17,7 +17,7 @@ TensorFlow op each layer call creates:
 Shape-only ops (Reshape, Transpose, Concat, Gather, Cast, ...) count 0. The
 per-layer numbers let the cost model and `plan_balanced(by="flops")` see
 inside custom layers (a transformer block, an MBConv), where counting a
-layer's own `kernel` sees nothing. Imports TensorFlow; `tfdist.cost` uses it
+layer's own `kernel` sees nothing. Imports TensorFlow; `tfdist.planning` uses it
 only from `model_stats`.
 """
 

@@ -1,0 +1,291 @@
+"""Communication: bytes and alpha-beta times of the gradient exchange, and what compression saves.
+
+With K = gradient bytes, N = replicas, a = latency per message, b = seconds
+per byte (1 / bandwidth):
+
+- ring all-reduce: each rank sends (and receives) 2(N-1)/N * K bytes, nearly
+  independent of N; T = 2(N-1)a + 2(N-1)/N * K * b;
+- central reducer (reduce to one device, one parameter server):
+  2(N-1) * K bytes pass through it, T = 2(N-1)(a + K b);
+- ZeRO stages and compression scale the all-reduce's bytes
+  (`relative_traffic`, `compressed_gradient_bytes`);
+- `recommend` picks a gradient compression for the planner and `auto` from
+  the alpha-beta time of each method plus its compute overhead (PowerSGD
+  multiplies each compressed n x m gradient by Q and P: 4 n m r FLOPs).
+
+    >>> ring_allreduce_bytes_per_rank(100e6, 8)
+    175000000.0
+
+No TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from tfdist import config as config_lib
+from tfdist.planning.hardware import Link
+from tfdist.planning.units import check_positive, format_bytes, format_seconds
+
+
+def _check_k_n(gradient_bytes: float, num_replicas: int) -> None:
+    check_positive("gradient_bytes", gradient_bytes, allow_zero=True)
+    check_positive("num_replicas", num_replicas, integer=True)
+
+
+def ring_allreduce_bytes_per_rank(gradient_bytes: float, num_replicas: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce: 2(N-1)/N * K."""
+    _check_k_n(gradient_bytes, num_replicas)
+    n = num_replicas
+    return 2.0 * (n - 1) / n * gradient_bytes
+
+
+def central_reducer_bytes(gradient_bytes: float, num_replicas: int) -> float:
+    """Bytes through one reducer: N-1 gradients in, N-1 results out: 2(N-1) * K."""
+    _check_k_n(gradient_bytes, num_replicas)
+    return 2.0 * (num_replicas - 1) * gradient_bytes
+
+
+def parameter_server_bytes(gradient_bytes: float, *, num_workers: int, num_ps: int) -> float:
+    """Bytes through each parameter server per round of one step on every worker.
+
+    Each worker pushes K gradient bytes and pulls K parameter bytes, spread
+    evenly over the servers: 2 * W * K / P through each.
+    """
+    check_positive("gradient_bytes", gradient_bytes, allow_zero=True)
+    check_positive("num_workers", num_workers, integer=True)
+    check_positive("num_ps", num_ps, integer=True)
+    return 2.0 * num_workers * gradient_bytes / num_ps
+
+
+def ring_allreduce_time(gradient_bytes: float, num_replicas: int, link: Link) -> float:
+    """alpha-beta ring all-reduce: T = 2(N-1) a + 2(N-1)/N * K * b (0 for one replica)."""
+    _check_k_n(gradient_bytes, num_replicas)
+    n = num_replicas
+    return 2 * (n - 1) * link.latency + ring_allreduce_bytes_per_rank(gradient_bytes, n) \
+        * link.seconds_per_byte
+
+
+def central_reducer_time(gradient_bytes: float, num_replicas: int, link: Link) -> float:
+    """alpha-beta central reducer: T = 2(N-1)(a + K b): its link carries every message."""
+    _check_k_n(gradient_bytes, num_replicas)
+    return 2 * (num_replicas - 1) * link.latency + central_reducer_bytes(
+        gradient_bytes, num_replicas) * link.seconds_per_byte
+
+
+def parameter_server_time(gradient_bytes: float, *, num_workers: int, num_ps: int,
+                          link: Link) -> float:
+    """alpha-beta time for one step of every worker through the busiest server."""
+    volume = parameter_server_bytes(gradient_bytes, num_workers=num_workers, num_ps=num_ps)
+    return 2 * num_workers * link.latency + volume * link.seconds_per_byte
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]], num_replicas: int, *,
+                   relative: bool = True) -> Link:
+    """Calibrates a ring all-reduce link from measured (bytes, seconds) points.
+
+    Least squares for T = 2(N-1) a + 2(N-1)/N * K * b with a, b >= 0. With
+    `relative` (default) each point's residual is divided by its measured
+    time, so small and large messages count alike (the model is judged by
+    relative error); otherwise large messages dominate.
+
+    Raises:
+      ValueError: fewer than two distinct sizes, a non-positive time, or a
+        fit with no positive bandwidth.
+    """
+    check_positive("num_replicas", num_replicas, integer=True)
+    if num_replicas < 2:
+        raise ValueError(
+            f"An all-reduce needs >= 2 replicas. Received: num_replicas={num_replicas}")
+    pts = [(float(k), float(t)) for k, t in points]
+    if len({k for k, _ in pts}) < 2:
+        raise ValueError(
+            "fit_alpha_beta needs measurements at two or more message sizes. "
+            f"Received: {len(pts)} point(s) at sizes {sorted({k for k, _ in pts})}"
+        )
+    if any(t <= 0 for _, t in pts):
+        raise ValueError(f"Measured times must be > 0. Received: {pts}")
+    n = num_replicas
+    xs = [2 * (n - 1) / n * k for k, _ in pts]  # bytes per rank
+    ts = [t for _, t in pts]
+    ws = [1 / t**2 if relative else 1.0 for t in ts]
+
+    def solve(with_intercept: bool) -> tuple[float, float]:
+        sw = sum(ws)
+        swx = sum(w * x for w, x in zip(ws, xs))
+        swt = sum(w * t for w, t in zip(ws, ts))
+        swxx = sum(w * x * x for w, x in zip(ws, xs))
+        swxt = sum(w * x * t for w, x, t in zip(ws, xs, ts))
+        if not with_intercept:
+            return 0.0, swxt / swxx
+        det = sw * swxx - swx * swx
+        return (swxx * swt - swx * swxt) / det, (sw * swxt - swx * swt) / det
+
+    intercept, beta = solve(True)
+    if intercept < 0:  # refit through the origin: latency 0
+        intercept, beta = solve(False)
+    if beta <= 0:
+        raise ValueError(
+            "The measurements do not grow with message size, so no bandwidth can be fitted "
+            f"(slope {beta:.3g} s/byte). Measure larger messages."
+        )
+    return Link(bandwidth=1.0 / beta, latency=intercept / (2 * (n - 1)))
+
+
+# --- ZeRO stages and compression ------------------------------------------------
+
+# Bytes each replica moves per step, relative to a ring all-reduce of its gradients, by ZeRO
+# stage (docs/sharding.md): stage 1 all-reduces the whole gradient, then all-gathers the
+# updated shards (1 + 1/2); stage 2 reduce-scatters instead (the same bytes as the
+# all-reduce's two halves: 1); stage 3 also all-gathers each sharded weight in the forward
+# and again in the backward pass, but reduce-scatters its gradients (1.5).
+SHARDED_TRAFFIC = {0: 1.0, 1: 1.5, 2: 1.0, 3: 1.5}
+
+
+def relative_traffic(*, stage: int = 0, compression: str = "none") -> float:
+    """Gradient-exchange bytes per step relative to plain data parallelism's all-reduce.
+
+    `stage`: ZeRO stage 0-3 (`SHARDED_TRAFFIC`); `compression`: none, fp16 or
+    bf16 (the ratio of `COMPRESSED_BYTES_PER_NUMBER`; powersgd depends on the
+    shapes: use `compressed_gradient_bytes`).
+    """
+    if stage not in SHARDED_TRAFFIC:
+        raise ValueError(f"stage must be 0, 1, 2 or 3. Received: stage={stage!r}")
+    if compression not in ("none", "fp16", "bf16"):
+        raise ValueError("compression must be none, fp16 or bf16 (powersgd's bytes depend on "
+                         "the shapes: use compressed_gradient_bytes). Received: "
+                         f"compression={compression!r}")
+    ratio = COMPRESSED_BYTES_PER_NUMBER[compression] / COMPRESSED_BYTES_PER_NUMBER["none"]
+    return SHARDED_TRAFFIC[stage] * ratio
+
+
+COMPRESSED_BYTES_PER_NUMBER = {"none": 4, "fp16": 2, "bf16": 2, "powersgd": 4}
+
+
+def compressed_gradient_bytes(shapes: Sequence[Sequence[int]], *, compression: str = "none",
+                              rank: int = 4) -> int:
+    """Bytes one replica contributes to the all-reduces per step (float32 gradients).
+
+    none: every gradient (4 bytes a number); fp16/bf16: 2 bytes a number;
+    powersgd: (n + m) * rank numbers for each weight matrix it compresses
+    (`tfdist.comm.powersgd.compresses`), the others whole.
+    """
+    from tfdist.comm import powersgd
+
+    if compression not in COMPRESSED_BYTES_PER_NUMBER:
+        raise ValueError(f"compression must be one of {', '.join(COMPRESSED_BYTES_PER_NUMBER)}. "
+                         f"Received: compression={compression!r}")
+    per_number = COMPRESSED_BYTES_PER_NUMBER[compression]
+    if compression != "powersgd":
+        return per_number * sum(math.prod(int(d) for d in s) for s in shapes)
+    return per_number * sum(powersgd.wire_numbers(s, rank) for s in shapes)
+
+
+def compressed_allreduce_time(shapes: Sequence[Sequence[int]], num_replicas: int, link: Link,
+                              *, compression: str = "none", rank: int = 4) -> float:
+    """alpha-beta time of one step's gradient exchange with `compression`.
+
+    One ring all-reduce of the compressed bytes; PowerSGD runs two rounds
+    (P with the uncompressed gradients, then Q), so pays the latency twice.
+    """
+    from tfdist.comm import powersgd
+
+    total = compressed_gradient_bytes(shapes, compression=compression, rank=rank)
+    rounds = 2 if compression == "powersgd" and any(
+        powersgd.compresses(s, rank) for s in shapes) else 1
+    if num_replicas < 2:
+        return 0.0
+    return (rounds - 1) * 2 * (num_replicas - 1) * link.latency + ring_allreduce_time(
+        total, num_replicas, link)
+
+
+# --- choosing a compression (the planner and `auto`) ------------------------------------
+
+
+def _powersgd():
+    from tfdist.comm import powersgd
+
+    return powersgd
+
+
+# Below this share of the step spent in communication, compression is not worth its
+# numerical change: the step would be at most this much faster.
+MIN_COMM_SHARE = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionCost:
+    """One method for one model and cluster.
+
+    Attributes:
+      compression: "none", "fp16", "bf16" or "powersgd".
+      wire_bytes: bytes one replica contributes to the all-reduces per step.
+      comm_seconds: alpha-beta time of those all-reduces.
+      compute_seconds: extra compute per step (PowerSGD's matmuls).
+      step_seconds: `compute_seconds` of the model plus the above.
+    """
+
+    compression: str
+    wire_bytes: int
+    comm_seconds: float
+    compute_seconds: float
+    step_seconds: float
+
+
+def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: int,
+               link: Link, compute_seconds: float, gradient_bytes: int | None = None,
+               flops_per_second: float = 100e9,
+               rank: int = config_lib.DEFAULT_POWERSGD_RANK) -> list[CompressionCost]:
+    """The cost of every method (no overlap of compute and communication assumed).
+
+    Args:
+      shapes: the trainable variables' shapes (needed for powersgd).
+      gradient_bytes: float32 gradient bytes, when the shapes are not known
+        (`ModelStats.gradient_bytes`): none, fp16 and bf16 are costed, not _powersgd().
+    """
+    if shapes is None:
+        if gradient_bytes is None:
+            raise ValueError("Pass shapes=[...] (the trainable variables' shapes) or "
+                             "gradient_bytes=K. Received neither.")
+        shapes = [(max(1, int(gradient_bytes) // 4),)]  # one vector: never factorised
+    methods = [m for m in config_lib.GRADIENT_COMPRESSIONS
+               if m != "powersgd" or any(_powersgd().compresses(s, rank) for s in shapes)]
+    rows = []
+    for method in methods:
+        wire = compressed_gradient_bytes(shapes, compression=method, rank=rank)
+        comm = compressed_allreduce_time(shapes, num_replicas, link, compression=method,
+                                              rank=rank)
+        extra = 0.0
+        if method == "powersgd":
+            flops = sum(4 * n * m * rank for n, m in (
+                _powersgd().matrix_shape(s) for s in shapes if _powersgd().compresses(s, rank)))
+            extra = flops / flops_per_second
+        rows.append(CompressionCost(method, wire, comm, extra, compute_seconds + comm + extra))
+    return rows
+
+
+def recommend(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: int,
+              link: Link, compute_seconds: float, gradient_bytes: int | None = None,
+              flops_per_second: float = 100e9,
+              rank: int = config_lib.DEFAULT_POWERSGD_RANK) -> tuple[str, str]:
+    """(compression, reason): the fastest method, or "none" when communication is small."""
+    rows = candidates(shapes=shapes, num_replicas=num_replicas, link=link,
+                      compute_seconds=compute_seconds, gradient_bytes=gradient_bytes,
+                      flops_per_second=flops_per_second, rank=rank)
+    plain = rows[0]
+    if num_replicas < 2:
+        return "none", "one replica: nothing crosses the wire"
+    share = plain.comm_seconds / plain.step_seconds
+    if share < MIN_COMM_SHARE:
+        return "none", (f"the all-reduce of {format_bytes(plain.wire_bytes)} takes "
+                        f"{share:.0%} of the step: compression would gain little")
+    best = min(rows, key=lambda r: r.step_seconds)
+    if best.compression == "none":
+        return "none", "no method is predicted faster than the plain all-reduce"
+    return best.compression, (
+        f"the all-reduce takes {share:.0%} of the step; {best.compression} sends "
+        f"{format_bytes(best.wire_bytes)} instead of {format_bytes(plain.wire_bytes)}"
+        f" per replica: predicted step {format_seconds(best.step_seconds)} vs "
+        f"{format_seconds(plain.step_seconds)}")
