@@ -147,11 +147,11 @@ def _worker(config: dict, out: str) -> None:
     if config.get("bucket_bytes"):
         # tfdist's buckets: one 64 MB gradient cut into bucket_bytes pieces, one
         # collective each (tfdist.comm.CommSync.sum_dense).
-        from tfdist.compat import optimizer_update
+        from tfdist import sync as sync_lib
 
         strategy = tfdist.make_strategy("multi_worker_mirrored", communication="ring",
                                         bucket_bytes=config["bucket_bytes"])
-        sync = optimizer_update.gradient_sync(strategy)
+        sync = sync_lib.gradient_sync(strategy)
 
         def all_reduce(values):
             return sync.sum_dense(values)

@@ -110,7 +110,7 @@ def _worker(config: dict, out: str) -> None:
 
     import tfdist
     from tfdist._tf import import_tensorflow
-    from tfdist.compat import optimizer_update
+    from tfdist import sync as sync_lib
 
     task_id = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
     pinned = _pin(task_id)
@@ -154,19 +154,19 @@ def _worker(config: dict, out: str) -> None:
               "wire_bytes_per_step": sent, "pinned": pinned,
               "gradient_bytes": 4 * model.count_params()}
     if workers > 1 and config.get("overlap"):
-        sync = optimizer_update.gradient_sync(strategy)
+        sync = sync_lib.gradient_sync(strategy)
 
-        class KeepLocal(optimizer_update.GradientSync):
+        class KeepLocal(sync_lib.GradientSync):
             """No communication: each worker applies its own gradients (timing only)."""
 
             def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
                 return list(grads_and_vars)
 
-        optimizer_update.set_gradient_sync(strategy, KeepLocal())
+        sync_lib.set_gradient_sync(strategy, KeepLocal())
         model.make_train_function(force=True)
         model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
         result["compute_seconds"] = time_steps(steps)
-        optimizer_update.set_gradient_sync(strategy, sync)
+        sync_lib.set_gradient_sync(strategy, sync)
         variables = [v.value for v in model.trainable_variables]
 
         def keras_all_reduce(grads_and_vars):

@@ -31,9 +31,10 @@ _EXPORTS = {
     "Feature": "tfdist.strategies",
     "installs": "tfdist.strategies",
     "Installs": "tfdist.strategies",
-    # what tfdist attached to a strategy it made
+    # what tfdist attached to a strategy it made; how its replicas exchange gradients
     "StrategyState": "tfdist.state",
     "state_of": "tfdist.state",
+    "GradientSync": "tfdist.sync",
     # configuration
     "DefaultOptions": "tfdist.config",
     "OneDeviceOptions": "tfdist.config",

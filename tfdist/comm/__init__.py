@@ -34,7 +34,8 @@ def attach(strategy: Any, options: Any):
         collectives (e.g. NCCL chosen by "auto" on GPUs).
     """
     from tfdist.comm.sync import CommSync
-    from tfdist.compat import comm_collectives, optimizer_update
+    from tfdist import sync as sync_lib
+    from tfdist.compat import comm_collectives
 
     sync = CommSync(
         strategy=strategy,
@@ -45,5 +46,5 @@ def attach(strategy: Any, options: Any):
         bytes_per_pack=getattr(options, "bytes_per_pack", 0),
     )
     comm_collectives.install()
-    optimizer_update.set_gradient_sync(strategy, sync)
+    sync_lib.set_gradient_sync(strategy, sync)
     return sync

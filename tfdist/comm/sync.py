@@ -36,6 +36,7 @@ import numpy as np
 from tfdist._tf import import_tensorflow
 from tfdist.comm import powersgd
 from tfdist.compat import comm_collectives as collectives
+from tfdist import sync as sync_lib
 from tfdist.compat import optimizer_update
 
 _HALF = {"fp16": "float16", "bf16": "bfloat16"}
@@ -43,7 +44,7 @@ _HALF = {"fp16": "float16", "bf16": "bfloat16"}
 _Q_SEED = 20190531
 
 
-class CommSync(optimizer_update.GradientSync):
+class CommSync(sync_lib.GradientSync):
     """Gradient compression (none, fp16, bf16, powersgd) and bucketed all-reduce.
 
     Args:
@@ -140,7 +141,7 @@ class CommSync(optimizer_update.GradientSync):
         if sparse:
             reduced = keras_all_reduce([grads_and_vars[i] for i in sparse])
             for i, (g, v) in zip(sparse, reduced):
-                out[i] = (optimizer_update.sum_duplicate_indices(g), v)
+                out[i] = (sync_lib.sum_duplicate_indices(g), v)
         if self.compression == "powersgd":
             # Buckets of whole variables: PowerSGD factorises each matrix.
             for bucket in _group(list(reversed(dense)),

@@ -276,6 +276,11 @@ SYNC_MOMENTS_FIX = _patch.Fix(
 )
 
 
-def install() -> tuple[bool, bool]:
-    """Installs both fixes (idempotent); they act only under strategies tfdist made."""
-    return _patch.install(REPLICA_STATE_FIX), _patch.install(SYNC_MOMENTS_FIX)
+def install() -> tuple[str, ...]:
+    """Installs both fixes (idempotent); they act only under strategies tfdist made.
+
+    Returns:
+      The names of the fixes this call installed (none when both already were).
+    """
+    return tuple(fix.name for fix in (REPLICA_STATE_FIX, SYNC_MOMENTS_FIX)
+                 if _patch.install(fix))

@@ -153,6 +153,10 @@ STATE_FIX = _patch.Fix(
 )
 
 
-def install() -> bool:
-    """Lets tfdist.comm create its per-replica state when Keras builds an optimizer."""
-    return _patch.install(STATE_FIX)
+def install() -> tuple[str, ...]:
+    """Lets tfdist.comm create its per-replica state when Keras builds an optimizer.
+
+    Returns:
+      The names of the fixes this call installed.
+    """
+    return _patch.install_all((STATE_FIX,))

@@ -106,6 +106,10 @@ FIX = _patch.Fix(
 )
 
 
-def install() -> bool:
-    """Lets Keras run steps_per_execution > 1 under tfdist's multi-replica strategies."""
-    return _patch.install(FIX)
+def install() -> tuple[str, ...]:
+    """Lets Keras run steps_per_execution > 1 under tfdist's multi-replica strategies.
+
+    Returns:
+      The names of the fixes this call installed.
+    """
+    return _patch.install_all((FIX,))

@@ -77,6 +77,10 @@ FIX = _patch.Fix(
 )
 
 
-def install() -> bool:
-    """Makes dynamic loss scaling skip a step when any replica's gradients overflow."""
-    return _patch.install(FIX)
+def install() -> tuple[str, ...]:
+    """Makes dynamic loss scaling skip a step when any replica's gradients overflow.
+
+    Returns:
+      The names of the fixes this call installed.
+    """
+    return _patch.install_all((FIX,))

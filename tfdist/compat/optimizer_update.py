@@ -9,8 +9,9 @@ Keras 3's TensorFlow optimizer (`keras/src/backend/tensorflow/optimizer.py`,
 That is the only place where replicas exchange gradients, so it is where
 tfdist plugs in how they are exchanged (compression, bucketing: tfdist.comm;
 reduce-scatter and sharded updates: tfdist.sharding). Each strategy tfdist
-made carries a `GradientSync`; strategies tfdist did not make (a user's own
-MirroredStrategy, the default strategy) run Keras's code unchanged.
+made carries a `GradientSync` (tfdist/sync.py, the public extension point);
+strategies tfdist did not make (a user's own MirroredStrategy, the default
+strategy) run Keras's code unchanged.
 
 The default `GradientSync` fixes one upstream bug on the way (no upstream
 issue yet; introduced with sparse optimizer support in keras-team/keras#18692;
@@ -70,51 +71,19 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
-from tfdist import state as state_lib
+from tfdist import sync as sync_lib
 from tfdist.compat import _owner, _patch
+from tfdist.sync import (  # noqa: F401 (the update step's names, and their former home)
+    DEFAULT_SYNC,
+    GradientSync,
+    GradsAndVars,
+    set_gradient_sync,
+    sum_duplicate_indices,
+)
 
 UPSTREAM_ISSUE = "keras-team/keras#18692 (sparse updates slice by slice; not yet reported)"
 
-GradsAndVars = Sequence[tuple[Any, Any]]
-
-
-class GradientSync:
-    """How the replicas of one strategy combine their gradients and apply them.
-
-    Subclasses override `reduce` (what crosses the wire) and/or `apply` (how
-    the reduced gradients update the variables). Both run in replica context.
-    """
-
-    #: `reduce` returns every variable's whole summed gradient, so clipping
-    #: (clipnorm, global_clipnorm, clipvalue) runs on it as on one device.
-    #: False for syncs that hand each replica a shard (Keras's per-replica
-    #: clipping then stays).
-    reduces_whole_gradients = True
-
-    def reduce(self, optimizer: Any, grads_and_vars: GradsAndVars,
-               keras_all_reduce: Callable[[GradsAndVars], GradsAndVars]) -> GradsAndVars:
-        """The all-reduced (summed over replicas) gradients, duplicates summed."""
-        return [(sum_duplicate_indices(g), v) for g, v in keras_all_reduce(grads_and_vars)]
-
-    def apply(self, optimizer: Any, grads_and_vars: GradsAndVars, learning_rate: Any,
-              keras_apply: Callable[[GradsAndVars, Any], None]) -> None:
-        """Applies the reduced gradients (default: Keras's own distributed update)."""
-        keras_apply(grads_and_vars, learning_rate)
-
-
-DEFAULT_SYNC = GradientSync()
-
 _lock = threading.Lock()
-
-
-def set_gradient_sync(strategy: Any, sync: GradientSync) -> None:
-    """Makes `sync` the way `strategy` (one tfdist made) exchanges and applies gradients."""
-    state = state_lib.state_of(strategy)
-    if state is None:
-        raise ValueError(
-            "set_gradient_sync takes a strategy made by tfdist.make_strategy; tfdist never "
-            f"changes how other strategies train. Received: {type(strategy).__name__}.")
-    state.gradient_sync = sync
 
 
 _opted_in: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -140,9 +109,9 @@ def gradient_sync(strategy: Any, optimizer: Any = None) -> GradientSync | None:
     Strategies tfdist made have one (DEFAULT_SYNC unless set); other
     strategies have none, unless `optimizer` was passed to `opt_in`.
     """
-    state = state_lib.state_of(strategy)
-    if state is not None:
-        return DEFAULT_SYNC if state.gradient_sync is None else state.gradient_sync
+    sync = sync_lib.gradient_sync(strategy)
+    if sync is not None:
+        return sync
     with _lock:
         if optimizer is not None and optimizer in _opted_in:
             return DEFAULT_SYNC
@@ -169,22 +138,6 @@ def variable_key(optimizer: Any, variable: Any) -> str:
     receives, so a GradientSync can find per-variable state it keeps.
     """
     return optimizer._var_key(variable)
-
-
-def sum_duplicate_indices(gradient: Any) -> Any:
-    """An IndexedSlices gradient with each index once (its slices summed); others unchanged.
-
-    Any value dtype (float16/bfloat16 are summed in their own dtype, as
-    TensorFlow's optimizers do) and int32/int64 indices; `dense_shape` is kept.
-    """
-    from tfdist._tf import import_tensorflow
-
-    tf = import_tensorflow()
-    if not isinstance(gradient, tf.IndexedSlices):
-        return gradient
-    unique, positions = tf.unique(gradient.indices)
-    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(unique)[0])
-    return tf.IndexedSlices(values, unique, gradient.dense_shape)
 
 
 # --- the fix ---------------------------------------------------------------------
@@ -527,10 +480,13 @@ ACCUMULATE_FIX = _patch.Fix(
 )
 
 
-def install() -> bool:
+def install() -> tuple[str, ...]:
     """Routes the optimizer update of tfdist's strategies through their GradientSync.
 
     Also installs the clipping fix (clip after the all-reduce) and the gradient
     accumulation fix; all or none.
+
+    Returns:
+      The names of the fixes this call installed.
     """
-    return bool(_patch.install_all((FIX, CLIP_FIX, ACCUMULATE_FIX)))
+    return _patch.install_all((FIX, CLIP_FIX, ACCUMULATE_FIX))

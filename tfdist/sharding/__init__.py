@@ -56,6 +56,7 @@ def attach(strategy: Any, options: Any) -> ShardingPlan | None:
       ValueError: offload without a host device distinct from the replicas, or
         replicas TensorFlow cannot run collectives between.
     """
+    from tfdist import sync as gradient_sync_lib
     from tfdist.compat import _owner, optimizer_update
     from tfdist.compat import sharding_collectives as collectives
     from tfdist.compat import sharding_variables
@@ -78,7 +79,7 @@ def attach(strategy: Any, options: Any) -> ShardingPlan | None:
     sharding_variables.install()
     optimizer_update.install()
     plan_lib.register(strategy, plan)
-    optimizer_update.set_gradient_sync(strategy, sync_lib.ShardedSync(strategy, plan))
+    gradient_sync_lib.set_gradient_sync(strategy, sync_lib.ShardedSync(strategy, plan))
     return plan
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tfdist.compat import optimizer_update
+from tfdist import sync as sync_lib
 
 
 def state_bytes(model: Any) -> dict[str, dict[str, int]]:
@@ -35,7 +35,6 @@ def state_bytes(model: Any) -> dict[str, dict[str, int]]:
     Returns:
       {device: {"parameters", "optimizer", "non_trainable"[, "gradients"]}}.
     """
-    from tfdist.compat import optimizer_update
     from tfdist.compat import sharding_variables
 
     strategy = model.distribute_strategy
@@ -55,7 +54,7 @@ def state_bytes(model: Any) -> dict[str, dict[str, int]]:
     for variable in (optimizer.variables if optimizer is not None else ()):
         for device, size in sharding_variables.placed_bytes(variable, strategy):
             add(device, "optimizer", size)
-    sync = optimizer_update.gradient_sync(strategy)
+    sync = sync_lib.gradient_sync(strategy)
     for device, size in getattr(sync, "traced_gradient_bytes", {}).items():
         add(device, "gradients", size)
     return out
@@ -86,7 +85,7 @@ def reduced_gradient_bytes(grads_and_vars) -> int:
     return total
 
 
-class RecordingSync(optimizer_update.GradientSync):
+class RecordingSync(sync_lib.GradientSync):
     """Keras's gradient exchange unchanged, recording the bytes each replica receives.
 
     Attributes:
@@ -101,7 +100,7 @@ class RecordingSync(optimizer_update.GradientSync):
     def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
         from tfdist.compat import sharding_collectives
 
-        reduced = optimizer_update.DEFAULT_SYNC.reduce(optimizer, grads_and_vars,
+        reduced = sync_lib.DEFAULT_SYNC.reduce(optimizer, grads_and_vars,
                                                       keras_all_reduce)
         device = self._devices[sharding_collectives.local_replica_id()]
         self.traced_gradient_bytes[device] = reduced_gradient_bytes(reduced)
@@ -117,12 +116,12 @@ def record_gradients(strategy: Any) -> None:
       ValueError: the strategy already exchanges gradients its own way (another
         GradientSync), which this would replace.
     """
-    current = optimizer_update.gradient_sync(strategy)
+    current = sync_lib.gradient_sync(strategy)
     if hasattr(current, "traced_gradient_bytes"):
         return
-    if current is not optimizer_update.DEFAULT_SYNC:
+    if current is not sync_lib.DEFAULT_SYNC:
         raise ValueError(
             "record_gradients() would replace this strategy's own gradient exchange "
             f"({type(current).__name__}). Received a strategy that does not use the default "
             "one. Fix: measure it without that option.")
-    optimizer_update.set_gradient_sync(strategy, RecordingSync(strategy))
+    sync_lib.set_gradient_sync(strategy, RecordingSync(strategy))

@@ -29,6 +29,7 @@ import weakref
 from typing import Any
 
 from tfdist._tf import import_tensorflow
+from tfdist import sync as gradient_sync_lib
 from tfdist.compat import optimizer_update
 from tfdist.compat import sharding_collectives as collectives
 from tfdist.compat import sharding_variables as variables_lib
@@ -79,7 +80,7 @@ class _ParameterShard:
     read_value = value
 
 
-class ShardedSync(optimizer_update.GradientSync):
+class ShardedSync(gradient_sync_lib.GradientSync):
     """Reduce-scatter / sharded update / all-gather for one strategy (see the module doc).
 
     Attributes:
@@ -134,7 +135,7 @@ class ShardedSync(optimizer_update.GradientSync):
         all_reduce = [i for i, k in enumerate(kinds)
                       if pairs[i][0] is not None and k in (_WHOLE, _REDUCED_THEN_SLICED)]
         if all_reduce:
-            reduced = optimizer_update.DEFAULT_SYNC.reduce(
+            reduced = gradient_sync_lib.DEFAULT_SYNC.reduce(
                 optimizer, [pairs[i] for i in all_reduce], keras_all_reduce)
             for i, (g, _) in zip(all_reduce, reduced):
                 out[i] = g
