@@ -29,6 +29,9 @@ _DEVICE_RE = re.compile(
 )
 
 
+_TASK_RE = re.compile(r"^/job:[\w-]+(?:/replica:\d+)?/task:(\d+)(?:/|$)")
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceName:
     """A device name's parts: job, replica and task (None when absent), kind and index."""
@@ -92,11 +95,13 @@ def short_device_name(device: str) -> str:
 
 
 def task_index(device: str) -> int | None:
-    """The task index in a device name ('/job:worker/replica:0/task:3/...' -> 3), else None."""
-    try:
-        return parse_device_name(device).task
-    except ValueError:
-        return None
+    """The task index in a device or task name ('/job:worker/replica:0/task:3[/...]' -> 3).
+
+    A worker's name without a device part ('/job:worker/replica:0/task:3', what the
+    parameter-server coordinator reports) counts; None when there is no task.
+    """
+    match = _TASK_RE.search(device) if isinstance(device, str) else None
+    return None if match is None else int(match.group(1))
 
 
 class RuntimeAlreadyInitializedError(RuntimeError):

@@ -64,6 +64,13 @@ def test_device_names_are_read_in_one_place(name, parts, canonical, short):
     assert devices.task_index(name) == parts[2]
 
 
+def test_task_index_reads_worker_names_without_a_device():
+    # What the parameter-server coordinator reports for a failed worker.
+    assert devices.task_index("/job:worker/replica:0/task:1") == 1
+    assert devices.task_index("/job:worker/task:12") == 12
+    assert devices.task_index("/job:worker") is None
+
+
 @pytest.mark.parametrize("bad", ["gpu-one", "/cpu", "", "/job:w/task:x/device:CPU:0", 3])
 def test_bad_device_names_are_refused_with_the_expected_form(bad):
     with pytest.raises(ValueError, match=r"must be a TensorFlow device name such as '/cpu:0'"):
