@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import tfdist
-from tfdist import devices, planning
+from tfdist import devices, planning, split
 
 
 def _quietly(module_name: str):
@@ -34,7 +34,7 @@ def test_former_planner_and_comm_planning_modules_and_plan_names():
     with pytest.warns(DeprecationWarning, match="Recommendation"):
         assert tfdist.Plan is planning.Recommendation
     with pytest.warns(DeprecationWarning, match="SplitPlan"):
-        assert tfdist.split.Plan is tfdist.split.SplitPlan
+        assert split.Plan is split.SplitPlan
     assert "Plan" not in tfdist.__all__ and "Recommendation" in tfdist.__all__
 
 
@@ -42,8 +42,8 @@ def test_former_planner_and_comm_planning_modules_and_plan_names():
 def test_one_bubble_formula(stages, micro_batches):
     expected = (stages - 1) / (micro_batches + stages - 1)
     assert planning.pipeline_bubble(stages=stages, micro_batches=micro_batches) == expected
-    assert tfdist.split.bubble_fraction(stages, micro_batches) == expected
-    assert tfdist.split.ideal_speedup(stages, micro_batches) == planning.pipeline_speedup(
+    assert split.bubble_fraction(stages, micro_batches) == expected
+    assert split.ideal_speedup(stages, micro_batches) == planning.pipeline_speedup(
         stages=stages, micro_batches=micro_batches)
 
 
