@@ -21,7 +21,7 @@ import keras
 import numpy as np
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, digits, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, digits, logged
 
 SOURCE = KERAS_IO + "guides/training_with_built_in_methods.py"
 COMPARE = Exact(weights=1e-4)  # RMSprop at a learning rate of 0.1 amplifies rounding

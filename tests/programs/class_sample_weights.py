@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, digits, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, digits, logged
 
 SOURCE = KERAS_IO + "guides/training_with_built_in_methods.py"
 COMPARE = Exact()

@@ -1,523 +1,253 @@
-"""The corpus of users' programs under tfdist's presets: run, compare with one device, render.
+"""What the corpus programs share: the entry point, how each one is judged, synthetic data.
 
-    python -m tests.programs.corpus                         # every program, every preset
-    python -m tests.programs.corpus --programs=endpoint_layer,vae_train_step
-    python -m tests.programs.corpus --subset=push           # what CI runs on every push
-    python -m tests.programs.corpus --out=/tmp/corpus --markdown=/tmp/corpus/table.md
-    python -m tests.programs.corpus --docs                  # also rewrite docs/programs.md's table
-    python -m tests.programs.corpus --record                # and tests/programs/expected.json
+Each program in tests/programs/ is one public example (a keras.io guide or example, a
+KerasHub guide), shrunk and offline, otherwise the program as written. It defines
 
-Each preset runs in its own process (TensorFlow imported once), all programs one after
-another (tests/programs/_runner.py): `one_device` (the reference: TensorFlow's default
-strategy, no distribution, on the same 2 logical CPUs), `mirrored` (2 logical CPUs),
-`multi_worker_mirrored` (2 workers under `python -m tfdist.launch --num_workers=2`, one
-launch running every program) and `parameter_server` (the in-process cluster: 2 workers,
-1 ps). After a failure a fresh process takes the programs left.
+    SOURCE = "https://github.com/keras-team/keras-io/blob/master/guides/....py"
+    COMPARE = Exact()                     # or Property(reason="Dropout")
+    def main(run: Run) -> Outcome: ...
 
-Each cell (program x preset) is then one of
-  pass      finished, and equal to one device (programs with COMPARE = Exact: final weights
-            and logged losses within the stated tolerance) or showing the stated property
-            (COMPARE = Property: finite, falling loss, the same step count); the program's
-            own checks (reloaded files, ...) within CHECK_TOLERANCE; replicas' and workers'
-            copies identical (<= 1e-6).
-  differs   finished, but not that.
-  failed    raised (the first error line is kept) or ran past its time limit.
+and its docstring says what was changed from the source. `run.make_strategy()` is where
+the source makes its strategy (or, for a single-device program, where its user swaps one
+in): it returns the preset's strategy, and a new one when the same program asks again.
 
-Writes OUT/results.json and OUT/table.md. `--check FILE` compares every cell's result with
-FILE's (tests/programs/expected.json) and exits 1 listing each difference, in both
-directions: a cell that now fails and a cell that now passes.
+No TensorFlow import here: the runner decides when TensorFlow starts.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import dataclasses
 import math
-import os
-import subprocess
-import sys
-import tempfile
-import time
+from collections.abc import Callable
+from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+# Table order. Each name is a module tests/programs/<name>.py.
+PROGRAMS = (
+    "distributed_training",
+    "built_in_training",
+    "custom_losses_metrics",
+    "endpoint_layer",
+    "class_sample_weights",
+    "multi_input_output",
+    "built_in_callbacks",
+    "custom_callbacks",
+    "custom_train_step",
+    "trainer_pattern",
+    "gan_train_step",
+    "vae_train_step",
+    "subclassing_vae",
+    "functional_api",
+    "serialization_and_saving",
+    "transfer_learning",
+    "preprocessing_layers",
+    "text_classification_from_scratch",
+    "mnist_convnet",
+    "structured_data_feature_space",
+    "timeseries_classification",
+    "text_classification_transformer",
+    "kerashub_bert_classifier",
+    "kerashub_custom_model_xla",
+    "kerashub_gemma_lora",
+    "kerashub_gpt2_finetune",
+)
 
-from tests.programs import _corpus
+# What runs on every push (tests/programs/test_corpus.py): one program per kind of result
+# the table shows, the cheapest of each. The whole corpus: TFDIST_FULL_CORPUS=1.
+PUSH_SUBSET = (
+    "built_in_training",                 # NumPy and shuffled tf.data input; evaluate, predict
+    "custom_losses_metrics",             # custom losses, a metric returning its variable, add_loss
+    "endpoint_layer",                    # add_loss of a Loss object
+    "custom_callbacks",                  # every callback hook; set_weights, learning rate
+    "vae_train_step",                    # train_step without call()
+    "serialization_and_saving",          # save, reload, weights, export (files on 2 workers)
+    "text_classification_from_scratch",  # strings in the model and in tf.data
+)
 
-REFERENCE = "one_device"
-COLUMNS = ("mirrored", "multi_worker_mirrored", "parameter_server")
-COLUMN_TITLES = {"mirrored": "mirrored ×2", "multi_worker_mirrored": "two workers",
-                 "parameter_server": "parameter_server"}
-SPREAD_TOLERANCE = 1e-6
-EXPECTED = os.path.join(REPO, "tests", "programs", "expected.json")
-DOCS = os.path.join(REPO, "docs", "programs.md")
-TABLE_START, TABLE_END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
+SEED = 1337
+KERAS_IO = "https://github.com/keras-team/keras-io/blob/master/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    """The program is deterministic: it must equal the one-device run.
+
+    Same seed, initial weights and global batch; every final weight (all models the
+    program returns, non-trainable ones included) within `weights`, every logged loss
+    within `loss`, absolute.
+    """
+
+    weights: float = 1e-5
+    loss: float = 1e-5
+
+    def describe(self) -> str:
+        return f"equal: \\|Δw\\| ≤ {self.weights:g}, \\|Δloss\\| ≤ {self.loss:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Property:
+    """The program is not deterministic across presets (`reason`): judged by a property.
+
+    Every logged value and final weight finite; the optimizer steps as many times as on one
+    device; with `trend` "falling" (or "rising"), the last value of the program's trend
+    sequence (`Outcome.trend`, by default its logged losses) below (above) the first.
+    """
+
+    reason: str
+    trend: str | None = "falling"
+
+    def __post_init__(self):
+        if self.trend not in ("falling", "rising", None):
+            raise ValueError(f"trend must be 'falling', 'rising' or None. Received: "
+                             f"trend={self.trend!r}")
+
+    def describe(self) -> str:
+        trend = f", {self.trend}" if self.trend else ""
+        return f"trains (finite{trend} loss, same step count); not deterministic: {self.reason}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a program hands back to be compared.
+
+    Attributes:
+      models: the trained models whose final weights are compared (in order).
+      losses: the logged losses, in the order the program logged them (every epoch of
+        every fit, then evaluate results): compared against one device.
+      checks: named differences the program measured itself (e.g. a reloaded model's
+        predictions against the trained one's); each must be <= CHECK_TOLERANCE.
+      trend: the values a Property's trend is judged on (None: `losses`), e.g. the accuracy
+        of a program that logs no loss.
+    """
+
+    models: list
+    losses: list
+    checks: dict = dataclasses.field(default_factory=dict)
+    trend: list | None = None
+
+
+CHECK_TOLERANCE = 1e-5
+
+
+@dataclasses.dataclass
+class Run:
+    """One program's view of the preset it runs under.
+
+    Attributes:
+      preset: the runner's preset name ("one_device", "mirrored", ...).
+      workdir: an empty directory for the program's files (the same path on every worker).
+      strategy_factory: makes a new strategy of the preset.
+      shared_strategy: the process's strategy (made when the process started).
+    """
+
+    preset: str
+    workdir: str
+    strategy_factory: Callable[[], Any]
+    shared_strategy: Any
+    _calls: int = 0
+
+    def make_strategy(self):
+        """The strategy the program's source makes: the preset's, then a new one per call."""
+        self._calls += 1
+        if self._calls == 1:
+            return self.shared_strategy
+        return self.strategy_factory()
+
+
+def logged(history, key: str = "loss") -> list[float]:
+    """One fit's logged values of `key`, one per epoch."""
+    return [float(v) for v in history.history[key]]
+
+
+def finite(values) -> bool:
+    return all(math.isfinite(float(v)) for v in values)
 
 
 # ---------------------------------------------------------------------------------------
-# Running
+# Synthetic, learnable data in place of the downloads (MNIST, IMDB, ...). Deterministic.
 
 
-def _read_records(path: str) -> dict:
-    records = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    entry = json.loads(line)
-                    records[entry["program"]] = entry
-    return records
-
-
-def _merge_workers(program: str, per_worker: list[dict], returncode: int) -> dict | None:
-    """One record from each worker's record of `program` (None: neither has one)."""
-    entries = [r.get(program) for r in per_worker]
-    if all(e is None for e in entries):
-        return None
-    bad = [e for e in entries if e is not None and e["status"] != "finished"]
-    if bad:
-        return bad[0]
-    if any(e is None for e in entries):
-        missing = [i for i, e in enumerate(entries) if e is None]
-        return {"program": program, "status": "failed", "seconds": entries[0]["seconds"] if
-                entries[0] else 0.0,
-                "error": f"worker {missing[0]} left no result (launch exit status {returncode})"}
-    return entries[0]
-
-
-def run_preset(preset: str, programs: list[str], out: str, *, program_timeout: float,
-               log) -> dict:
-    """Runs `programs` under `preset` until each has a record; returns {program: record}."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               KERAS_BACKEND="tensorflow")
-    records: dict = {}
-    remaining = list(programs)
-    while remaining:
-        runner = [sys.executable, "-m", "tests.programs._runner", f"--preset={preset}",
-                  f"--programs={','.join(remaining)}", f"--out={out}",
-                  f"--timeout={program_timeout:g}"]
-        # The launch as a whole: the programs' limits plus start-up, never unbounded.
-        overall = program_timeout * len(remaining) + 120
-        if preset == "multi_worker_mirrored":
-            command = [sys.executable, "-m", "tfdist.launch", "--num_workers=2",
-                       f"--timeout={overall:g}", "--grace_period=3", "--", *runner]
-            logs = [os.path.join(out, f"{preset}.worker{i}.jsonl") for i in (0, 1)]
-        else:
-            command = runner
-            logs = [os.path.join(out, f"{preset}.jsonl")]
-        log.write(f"\n$ {' '.join(command)}\n")
-        log.flush()
-        try:
-            returncode = subprocess.run(command, cwd=REPO, env=env, stdout=log, check=False,
-                                        stderr=subprocess.STDOUT, timeout=overall + 60
-                                        ).returncode
-        except subprocess.TimeoutExpired:
-            returncode = 124
-        per_worker = [_read_records(path) for path in logs]
-        progressed = False
-        for program in list(remaining):
-            entry = _merge_workers(program, per_worker, returncode)
-            if entry is None:
-                break
-            records[program] = entry
-            remaining.remove(program)
-            progressed = True
-        if not progressed and remaining:
-            # The process ended before recording anything: blame the program it was on.
-            records[remaining[0]] = {
-                "program": remaining[0], "status": "failed", "seconds": 0.0,
-                "error": f"the process exited with status {returncode} and no result "
-                         f"(see {os.path.basename(log.name)})"}
-            remaining.pop(0)
-    return records
-
-
-# ---------------------------------------------------------------------------------------
-# Comparing
-
-
-def _weights(out: str, preset: str, program: str, suffix: str = ""):
+def digits(n: int, *, features: int = 64, classes: int = 10, seed: int = 0):
+    """(x, y): float32 features in [0, 1] around one prototype per class, int64 labels."""
     import numpy as np
 
-    path = os.path.join(out, preset, f"{program}{suffix}.npz")
-    if not os.path.exists(path):
-        return None
-    with np.load(path) as data:
-        return [data[k] for k in sorted(data.files)]
+    rng = np.random.default_rng(seed)
+    prototypes = np.random.default_rng(1000 + classes).uniform(0.0, 1.0, (classes, features))
+    y = rng.integers(0, classes, size=n)
+    x = np.clip(prototypes[y] + 0.2 * rng.standard_normal((n, features)), 0.0, 1.0)
+    return x.astype("float32"), y.astype("int64")
 
 
-def _max_difference(a, b) -> float:
-    """Largest |a - b| over two lists of arrays (inf when their structure differs)."""
+def images(n: int, *, shape=(8, 8, 1), classes: int = 10, seed: int = 0):
+    """(x, y): `digits` reshaped to images of `shape`, values in [0, 1]."""
     import numpy as np
 
-    if a is None or b is None or len(a) != len(b):
-        return math.inf
-    worst = 0.0
-    for x, y in zip(a, b):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape:
-            return math.inf
-        if x.size == 0:
-            continue
-        if x.dtype.kind in "fc" or y.dtype.kind in "fc":
-            d = np.abs(x.astype("float64") - y.astype("float64"))
-            if not np.all(np.isfinite(d)):
-                return math.inf
-            worst = max(worst, float(d.max()))
-        elif not np.array_equal(x, y):
-            return math.inf
-    return worst
+    x, y = digits(n, features=int(np.prod(shape)), classes=classes, seed=seed)
+    return x.reshape((n, *shape)), y
 
 
-def _loss_difference(a, b) -> float:
-    if len(a) != len(b):
-        return math.inf
-    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+POSITIVE = ("great", "wonderful", "superb", "moving", "brilliant", "delightful", "fun", "best")
+NEGATIVE = ("awful", "boring", "dull", "terrible", "worst", "bland", "tedious", "poor")
+FILLER = ("the", "movie", "film", "plot", "actors", "was", "a", "and", "story", "it", "this",
+          "really", "scene", "ending", "music", "very", "of", "with", "characters", "i")
 
 
-def judge(record: dict, reference: dict, compare, *, mine, theirs, other_worker=None) -> dict:
-    """One cell: its result, the differences from one device, and why it is not a pass.
+def reviews(n: int, *, words: int = 12, seed: int = 0):
+    """(texts, labels): short movie reviews as a numpy array of str; label 1 = positive.
 
-    Args:
-      record: the preset's record of the program (from the runner).
-      reference: the one-device record of the same program.
-      compare: the program's COMPARE (`_corpus.Exact` or `_corpus.Property`).
-      mine, theirs: the final weights under the preset and on one device (lists of arrays).
-      other_worker: the second worker's final weights (two-worker runs), else None.
+    Each review mixes filler words with three sentiment words of its class (IMDB's shape).
     """
     import numpy as np
 
-    cell = {"seconds": round(record.get("seconds", 0.0), 1)}
-    if record["status"] != "finished":
-        cell.update(result="failed", error=record.get("error", ""))
-        if record.get("traceback"):
-            cell["traceback"] = record["traceback"]
-        return cell
-    d_weights = _max_difference(mine, theirs)
-    d_loss = _loss_difference(record["losses"], reference["losses"])
-    spread = record.get("spread")
-    if other_worker is not None:
-        spread = _max_difference(mine, other_worker)
-    cell.update(weights=d_weights, loss=d_loss, spread=spread)
-    problems = []
-    for name, value in record["checks"].items():
-        if not value <= _corpus.CHECK_TOLERANCE:
-            problems.append(f"check {name} = {value:.3g} > {_corpus.CHECK_TOLERANCE:g}")
-    if spread is not None and not spread <= SPREAD_TOLERANCE:
-        problems.append(f"copies differ by {spread:.3g}")
-    if isinstance(compare, _corpus.Exact):
-        if not d_weights <= compare.weights:
-            problems.append(f"|Δw| {d_weights:.3g} > {compare.weights:g}")
-        if not d_loss <= compare.loss:
-            problems.append(f"|Δloss| {d_loss:.3g} > {compare.loss:g}")
-    else:
-        if not (_corpus.finite(record["losses"]) and mine is not None
-                and all(np.all(np.isfinite(w)) for w in mine if w.dtype.kind == "f")):
-            problems.append("a loss or weight is not finite")
-        trend = record.get("trend") or []
-        if compare.trend and not (len(trend) >= 2 and (
-                trend[-1] < trend[0] if compare.trend == "falling" else trend[-1] > trend[0])):
-            problems.append(f"not {compare.trend} ({trend[0]:.4g} -> {trend[-1]:.4g})"
-                            if trend else "nothing logged")
-        if record["iterations"] != reference["iterations"]:
-            problems.append(f"steps {record['iterations']} != one device's "
-                            f"{reference['iterations']}")
-    cell["result"] = "differs" if problems else "pass"
-    if problems:
-        cell["why"] = "; ".join(problems)
-    return cell
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, size=n)
+    texts = []
+    for label in labels:
+        pool = POSITIVE if label else NEGATIVE
+        tokens = list(rng.choice(FILLER, size=words - 3)) + list(rng.choice(pool, size=3))
+        rng.shuffle(tokens)
+        texts.append(" ".join(tokens))
+    return np.array(texts), labels.astype("int64")
 
 
-def compare_all(programs, presets, records, out) -> dict:
-    """{program: {preset: cell}} for every program and preset (the reference included)."""
-    results = {}
-    reference = records[REFERENCE]
-    for program in programs:
-        ref = reference[program]
-        row = {REFERENCE: ({"result": "pass", "seconds": round(ref["seconds"], 1)}
-                           if ref["status"] == "finished" else
-                           {"result": "failed", "error": ref.get("error", ""),
-                            "traceback": ref.get("traceback", "")})}
-        compare = _compare_of(program)
-        for preset in presets:
-            if preset == REFERENCE:
-                continue
-            if ref["status"] != "finished":
-                row[preset] = {"result": "failed", "error": "the one-device reference failed"}
-                continue
-            two = preset == "multi_worker_mirrored"
-            row[preset] = judge(
-                records[preset][program], ref, compare,
-                mine=_weights(out, preset, program, ".worker0" if two else ""),
-                theirs=_weights(out, REFERENCE, program),
-                other_worker=_weights(out, preset, program, ".worker1") if two else None)
-        results[program] = row
-    return results
+def word_vocabulary() -> list[str]:
+    """Every word `reviews` writes, sorted."""
+    return sorted(set(FILLER + POSITIVE + NEGATIVE))
 
 
-# ---------------------------------------------------------------------------------------
-# Rendering
+def gpt2_vocabulary(words) -> tuple[dict, list]:
+    """(vocabulary, merges) of a tiny byte-level BPE (GPT-2's format) that knows `words`.
 
-
-def _number(x) -> str:
-    if x is None:
-        return "-"
-    if x == math.inf:
-        return "∞"
-    return "0" if x == 0 else f"{x:.1e}"
-
-
-def _note(footnotes: list, text: str) -> int:
-    """The footnote number of `text` (identical notes share one number)."""
-    if text not in footnotes:
-        footnotes.append(text)
-    return footnotes.index(text) + 1
-
-
-def _cell_text(compare, cell: dict, footnotes: list, cause: str = "") -> str:
-    if cell["result"] == "failed":
-        return f"✗ failed [{_note(footnotes, cause or cell.get('error', ''))}]"
-    if isinstance(compare, _corpus.Exact):
-        numbers = f"Δw {_number(cell.get('weights'))}, Δloss {_number(cell.get('loss'))}"
-    else:
-        numbers = f"Δloss {_number(cell.get('loss'))}"
-    if cell["result"] == "pass":
-        return f"✓ {numbers}"
-    return f"≠ differs [{_note(footnotes, cause or cell.get('why', ''))}]: {numbers}"
-
-
-def _compare_of(program: str):
-    import importlib
-
-    return importlib.import_module(f"tests.programs.{program}").COMPARE
-
-
-def _source_of(program: str) -> str:
-    import importlib
-
-    return importlib.import_module(f"tests.programs.{program}").SOURCE
-
-
-def counts(results: dict, presets) -> dict:
-    out = {}
-    for preset in presets:
-        cells = [row[preset] for row in results.values() if preset in row]
-        out[preset] = {"cells": len(cells),
-                       "finished": sum(c["result"] != "failed" for c in cells),
-                       "pass": sum(c["result"] == "pass" for c in cells)}
-    return out
-
-
-def _compared_by(compare) -> str:
-    if isinstance(compare, _corpus.Exact):
-        return f"equal (Δw ≤ {compare.weights:g}, Δloss ≤ {compare.loss:g})"
-    trend = f", {compare.trend}" if compare.trend else ""
-    return f"property: finite{trend} ({compare.reason})"
-
-
-def render(results: dict, presets, *, causes: dict | None = None) -> str:
-    """The markdown table: program x preset, with footnotes for every cell that is not a pass.
-
-    `causes`: {program: {preset: text}} said instead of the bare error or difference.
+    Single characters (a-z, A-Z, digits, space as "Ġ", some punctuation) are tokens, and each
+    word preceded by a space ("Ġgreat") is one token, reached by merging its prefixes left to
+    right; every intermediate prefix is a token too, so any merge order yields known tokens.
     """
-    causes = causes or {}
-    columns = [p for p in presets if p != REFERENCE]
-    footnotes: list = []
-    lines = ["| program | compared by | " + " | ".join(COLUMN_TITLES.get(p, p) for p in columns)
-             + " |", "|---|---|" + "---|" * len(columns)]
-    for program, row in results.items():
-        compare = _compare_of(program)
-        name = f"[{program}]({_source_of(program)})"
-        if row[REFERENCE]["result"] != "pass":
-            name += f" (one device failed [{_note(footnotes, row[REFERENCE].get('error', ''))}])"
-        cells = [_cell_text(compare, row[p], footnotes, causes.get(program, {}).get(p, ""))
-                 if p in row else "-" for p in columns]
-        lines.append(f"| {name} | {_compared_by(compare)} | " + " | ".join(cells) + " |")
-    summary = counts(results, columns)
-    lines.append("| **finished / equal to one device** | | " + " | ".join(
-        f"**{summary[p]['finished']}/{summary[p]['cells']} / {summary[p]['pass']}**"
-        for p in columns) + " |")
-    if footnotes:
-        lines.append("")
-        lines += [f"{i}. {note}" for i, note in enumerate(footnotes, 1)]
-    return "\n".join(lines) + "\n"
+    import string
+
+    vocabulary = {"<|endoftext|>": 0}
+    for ch in "Ġ" + string.ascii_letters + string.digits + ".,!?'-":
+        vocabulary.setdefault(ch, len(vocabulary))
+    merges = []
+    for word in words:
+        prefix = "Ġ"
+        for ch in word:
+            merge = f"{prefix} {ch}"
+            if merge not in merges:
+                merges.append(merge)
+            prefix += ch
+            vocabulary.setdefault(prefix, len(vocabulary))
+    return vocabulary, merges
 
 
-def check(results: dict, expected: dict) -> list[str]:
-    """Every cell whose result is not the expected one, in both directions."""
-    problems = []
-    for program, row in results.items():
-        for preset, cell in row.items():
-            want = expected.get(program, {}).get(preset)
-            if want is None:
-                problems.append(f"{program} under {preset}: {cell['result']}, and the "
-                                "expectations have no entry for it")
-                continue
-            want = expected_result(want)
-            if cell["result"] != want:
-                detail = cell.get("error") or cell.get("why") or ""
-                direction = ("better than expected: record it with `python -m "
-                             "tests.programs.corpus --record --docs`" if
-                             _RANK[cell["result"]] > _RANK[want] else "regressed")
-                problems.append(f"{program} under {preset}: expected {want}, got "
-                                f"{cell['result']} ({direction}){': ' + detail if detail else ''}")
-    return problems
+def sentencepiece_proto(texts, *, vocab_size: int = 40) -> bytes:
+    """A SentencePiece word model trained in memory on `texts` (Gemma's tokenizer format)."""
+    import io
 
+    import sentencepiece
 
-_RANK = {"failed": 0, "differs": 1, "pass": 2}
-
-
-def write_docs_table(markdown: str, path: str = DOCS) -> None:
-    with open(path) as f:
-        text = f.read()
-    start, end = text.index(TABLE_START), text.index(TABLE_END)
-    text = text[:start + len(TABLE_START)] + "\n" + markdown + text[end:]
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def _run(programs, presets, out, timeout) -> tuple[dict, dict]:
-    records, seconds = {}, {}
-    with open(os.path.join(out, "log.txt"), "a") as log:
-        for preset in presets:
-            start = time.monotonic()
-            print(f"corpus: {preset}: {len(programs)} programs ...", flush=True)
-            records[preset] = run_preset(preset, programs, out, program_timeout=timeout, log=log)
-            seconds[preset] = round(time.monotonic() - start, 1)
-            done = sum(r["status"] == "finished" for r in records[preset].values())
-            print(f"corpus: {preset}: {done}/{len(programs)} finished in {seconds[preset]} s",
-                  flush=True)
-    return records, seconds
-
-
-def _earlier_records(out, programs, presets) -> tuple[dict, dict]:
-    """The records an earlier run left in `out` (and its durations, from its results.json)."""
-    records = {}
-    for preset in presets:
-        if preset == "multi_worker_mirrored":
-            per_worker = [_read_records(os.path.join(out, f"{preset}.worker{i}.jsonl"))
-                          for i in (0, 1)]
-            merged = {p: _merge_workers(p, per_worker, -1) for p in programs}
-        else:
-            merged = _read_records(os.path.join(out, f"{preset}.jsonl"))
-        missing = [p for p in programs if merged.get(p) is None]
-        if missing:
-            raise SystemExit(f"corpus: {out} has no {preset} record of {missing}")
-        records[preset] = merged
-    seconds = {}
-    if os.path.exists(os.path.join(out, "results.json")):
-        seconds = _load(os.path.join(out, "results.json")).get("seconds", {})
-    return records, seconds
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--programs", default="", help="comma-separated (default: all)")
-    parser.add_argument("--subset", choices=("all", "push"), default="all")
-    parser.add_argument("--presets", default=",".join((REFERENCE, *COLUMNS)))
-    parser.add_argument("--out", default="")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per program")
-    parser.add_argument("--markdown", default="", help="also write the table here")
-    parser.add_argument("--check", default="", help="expected results (JSON) to compare with")
-    parser.add_argument("--record", action="store_true",
-                        help="write the results to tests/programs/expected.json")
-    parser.add_argument("--docs", action="store_true", help="rewrite docs/programs.md's table")
-    parser.add_argument("--rejudge", action="store_true",
-                        help="run nothing: judge and render the records already in --out")
-    args = parser.parse_args(argv)
-
-    programs = ([p for p in args.programs.split(",") if p] or
-                list(_corpus.PUSH_SUBSET if args.subset == "push" else _corpus.PROGRAMS))
-    unknown = [p for p in programs if p not in _corpus.PROGRAMS]
-    if unknown:
-        parser.error(f"unknown programs {unknown}; the corpus has {list(_corpus.PROGRAMS)}")
-    presets = [p for p in args.presets.split(",") if p]
-    if REFERENCE not in presets:
-        presets.insert(0, REFERENCE)
-    if args.rejudge and not args.out:
-        parser.error("--rejudge judges the records of an earlier run: give its --out")
-    out = args.out or tempfile.mkdtemp(prefix="tfdist-corpus-")
-    os.makedirs(out, exist_ok=True)
-    if args.rejudge:
-        records, seconds = _earlier_records(out, programs, presets)
-    else:
-        for name in os.listdir(out):
-            if name.endswith(".jsonl"):
-                os.remove(os.path.join(out, name))
-        records, seconds = _run(programs, presets, out, args.timeout)
-
-    results = compare_all(programs, presets, records, out)
-    summary = counts(results, [p for p in presets if p != REFERENCE])
-    document = {"programs": programs, "presets": presets, "seconds": seconds,
-                "counts": summary, "results": results,
-                "versions": _versions()}
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(document, f, indent=1, default=_json_default)
-    markdown = render(results, presets, causes=_causes(EXPECTED))
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(markdown)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown)
-    print(markdown)
-    print(f"corpus: results in {out}/results.json; counts {json.dumps(summary)}")
-    if args.record:
-        expected = _load(EXPECTED) if os.path.exists(EXPECTED) else {}
-        for program, row in results.items():
-            for preset, cell in row.items():
-                old = expected.setdefault(program, {}).get(preset)
-                if isinstance(old, dict) and old.get("result") == cell["result"]:
-                    continue  # keep the cause written for this result
-                expected[program][preset] = cell["result"]
-        with open(EXPECTED, "w") as f:
-            json.dump(expected, f, indent=1)
-            f.write("\n")
-    if args.docs:
-        write_docs_table(markdown)
-    if args.check:
-        problems = check(results, _load(args.check))
-        for problem in problems:
-            print(f"corpus: MISMATCH {problem}")
-        return 1 if problems else 0
-    return 0
-
-
-def _causes(path: str) -> dict:
-    """{program: {preset: cause}} from an expectations file's cells that carry one."""
-    if not os.path.exists(path):
-        return {}
-    return {program: {preset: cell["cause"] for preset, cell in row.items()
-                      if isinstance(cell, dict) and cell.get("cause")}
-            for program, row in _load(path).items()}
-
-
-def expected_result(cell) -> str:
-    """An expectations file's cell: "pass" / "differs" / "failed", or a dict with "result"."""
-    return cell["result"] if isinstance(cell, dict) else cell
-
-
-def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def _json_default(value):
-    if isinstance(value, float) and math.isinf(value):
-        return "inf"
-    return str(value)
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    versions = {}
-    for name in ("tensorflow", "keras", "keras-hub"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    buffer = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(texts)), model_writer=buffer, vocab_size=vocab_size,
+        model_type="word", pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="<pad>",
+        bos_piece="<bos>", eos_piece="<eos>", unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+    return buffer.getvalue()

@@ -13,7 +13,7 @@ and compiled under `strategy.scope()`; the hooks' prints kept.
 import keras
 import numpy as np
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, digits, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, digits, logged
 
 SOURCE = KERAS_IO + "guides/writing_your_own_callbacks.py"
 COMPARE = Exact()

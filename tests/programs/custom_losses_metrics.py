@@ -11,7 +11,7 @@ The metric is the guide's `CategoricalTruePositives`, whose `result()` returns i
 import keras
 from keras import layers, ops
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, digits, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, digits, logged
 
 SOURCE = KERAS_IO + "guides/training_with_built_in_methods.py"
 COMPARE = Exact()

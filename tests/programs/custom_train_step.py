@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, logged
 
 SOURCE = KERAS_IO + "guides/custom_train_step_in_tensorflow.py"
 COMPARE = Exact()

@@ -15,7 +15,7 @@ import os
 import keras
 import tensorflow as tf
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, digits, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, digits, logged
 
 SOURCE = KERAS_IO + "guides/distributed_training_with_tensorflow.py"
 COMPARE = Exact()

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, logged
 
 SOURCE = KERAS_IO + "examples/keras_recipes/endpoint_layer_pattern.py"
 COMPARE = Exact()

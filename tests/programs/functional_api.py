@@ -14,7 +14,7 @@ import keras
 import numpy as np
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, logged
 
 SOURCE = KERAS_IO + "guides/functional_api.py"
 COMPARE = Property(reason="Embedding + RMSprop: the synchronous presets sum the gradients of "

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, images, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, images, logged
 
 SOURCE = KERAS_IO + "guides/custom_train_step_in_tensorflow.py"
 COMPARE = Property(reason="random latent vectors and label noise drawn per replica",

@@ -16,7 +16,7 @@ import keras
 import keras_hub
 import tensorflow as tf
 
-from tests.programs._corpus import (
+from tests.programs.corpus import (
     KERAS_IO,
     Outcome,
     Property,

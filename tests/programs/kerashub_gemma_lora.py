@@ -17,7 +17,7 @@ import keras
 import keras_hub
 import tensorflow as tf
 
-from tests.programs._corpus import (
+from tests.programs.corpus import (
     KERAS_IO,
     Exact,
     Outcome,

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, images, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, images, logged
 
 SOURCE = KERAS_IO + "examples/vision/mnist_convnet.py"
 COMPARE = Property(reason="Dropout: each replica draws its own mask")

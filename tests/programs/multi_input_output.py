@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, logged
 
 SOURCE = KERAS_IO + "guides/training_with_built_in_methods.py"
 COMPARE = Exact()

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tests.programs._corpus import KERAS_IO, Exact, Outcome, logged
+from tests.programs.corpus import KERAS_IO, Exact, Outcome, logged
 
 SOURCE = KERAS_IO + "guides/serialization_and_saving.py"
 COMPARE = Exact()
@@ -61,7 +61,9 @@ def main(run):
     rng = np.random.default_rng(0)
     test_input = rng.random((128, 8))
     test_target = rng.random((128, 1))
-    path = lambda name: os.path.join(run.workdir, name)
+    def path(name):
+        return os.path.join(run.workdir, name)
+
     losses, checks = [], {}
 
     # The whole model: architecture, weights, optimizer state, compile arguments.

@@ -16,7 +16,7 @@ import pandas as pd
 import tensorflow as tf
 from keras.utils import FeatureSpace
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, logged
 
 SOURCE = KERAS_IO + (
     "examples/structured_data/structured_data_classification_with_feature_space.py")

@@ -13,7 +13,7 @@ under `strategy.scope()`.
 import keras
 from keras import layers, ops
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, digits, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, digits, logged
 
 SOURCE = KERAS_IO + "guides/making_new_layers_and_models_via_subclassing.py"
 COMPARE = Property(reason="the sampling noise is drawn per replica")

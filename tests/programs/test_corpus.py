@@ -1,6 +1,6 @@
 """The corpus of users' programs: every cell (program x preset) as expected.json says.
 
-Per push, `_corpus.PUSH_SUBSET` runs (one program per kind of result the corpus shows, the
+Per push, `corpus.PUSH_SUBSET` runs (one program per kind of result the corpus shows, the
 cheapest of each) under one device, `mirrored` x2, two workers and `parameter_server`;
 `TFDIST_FULL_CORPUS=1` runs every program (the release run; durations in docs/programs.md).
 A cell that now fails and a cell that now passes both fail the test, so neither a regression
@@ -18,8 +18,8 @@ import re
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, run_python
-from tests.programs import _corpus, corpus
+from tests.support import REPO, run_python
+from tests.programs import corpus, run_corpus
 
 FULL = os.environ.get("TFDIST_FULL_CORPUS") == "1"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,23 +29,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.mark.timeout(5400 if FULL else 900)
 def test_corpus_cells_are_as_expected(tmp_path):
     out = tmp_path / "corpus"
-    proc = run_python("-m", "tests.programs.corpus", f"--subset={'all' if FULL else 'push'}",
-                      f"--out={out}", f"--check={corpus.EXPECTED}",
+    proc = run_python("-m", "tests.programs.run_corpus", f"--subset={'all' if FULL else 'push'}",
+                      f"--out={out}", f"--check={run_corpus.EXPECTED}",
                       timeout=5300 if FULL else 840)
     mismatches = re.findall(r"^corpus: MISMATCH (.*)$", proc.stdout, re.MULTILINE)
     assert proc.returncode == 0, ("\n".join(mismatches) or proc.stdout[-4000:]) + \
         "\n" + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())["results"]
-    expected_programs = _corpus.PROGRAMS if FULL else _corpus.PUSH_SUBSET
+    expected_programs = corpus.PROGRAMS if FULL else corpus.PUSH_SUBSET
     assert list(results) == list(expected_programs)
-    assert all(set(row) == {corpus.REFERENCE, *corpus.COLUMNS} for row in results.values())
+    assert all(set(row) == {run_corpus.REFERENCE, *run_corpus.COLUMNS} for row in results.values())
 
 
 def _docs_cells() -> dict:
     """{program: {preset: result}} read back from docs/programs.md's table symbols."""
-    with open(corpus.DOCS) as f:
+    with open(run_corpus.DOCS) as f:
         text = f.read()
-    table = text[text.index(corpus.TABLE_START):text.index(corpus.TABLE_END)]
+    table = text[text.index(run_corpus.TABLE_START):text.index(run_corpus.TABLE_END)]
     symbols = {"✓": "pass", "≠": "differs", "✗": "failed"}
     cells = {}
     for line in table.splitlines():
@@ -54,27 +54,28 @@ def _docs_cells() -> dict:
             continue
         parts = [p.strip() for p in line.strip().strip("|").split("|")]
         cells[match.group(1)] = {preset: symbols[part[0]]
-                                 for preset, part in zip(corpus.COLUMNS, parts[2:])}
+                                 for preset, part in zip(run_corpus.COLUMNS, parts[2:])}
     return cells
 
 
 def test_docs_table_agrees_with_the_expectations():
-    expected = json.load(open(corpus.EXPECTED))
+    expected = json.load(open(run_corpus.EXPECTED))
     docs = _docs_cells()
-    assert list(docs) == list(_corpus.PROGRAMS)
+    assert list(docs) == list(corpus.PROGRAMS)
     for program, row in docs.items():
         for preset, result in row.items():
-            assert corpus.expected_result(expected[program][preset]) == result, (program, preset)
-    assert all(corpus.expected_result(expected[p][corpus.REFERENCE]) == "pass"
-               for p in _corpus.PROGRAMS)
+            want = run_corpus.expected_result(expected[program][preset])
+            assert want == result, (program, preset)
+    assert all(run_corpus.expected_result(expected[p][run_corpus.REFERENCE]) == "pass"
+               for p in corpus.PROGRAMS)
 
 
 def test_every_program_says_where_it_comes_from_and_what_changed():
     files = sorted(name[:-3] for name in os.listdir(HERE)
-                   if name.endswith(".py") and not name.startswith(("_", "test_"))
+                   if name.endswith(".py") and not name.startswith(("_", "test_", "run_"))
                    and name != "corpus.py")
-    assert sorted(_corpus.PROGRAMS) == files
-    assert len(_corpus.PROGRAMS) >= 20 and set(_corpus.PUSH_SUBSET) <= set(_corpus.PROGRAMS)
+    assert sorted(corpus.PROGRAMS) == files
+    assert len(corpus.PROGRAMS) >= 20 and set(corpus.PUSH_SUBSET) <= set(corpus.PROGRAMS)
     for name in files:
         with open(os.path.join(HERE, f"{name}.py")) as f:
             tree = ast.parse(f.read())
@@ -102,44 +103,44 @@ def _record(**changes):
 
 
 def test_an_exact_program_passes_within_its_tolerance_and_differs_beyond():
-    exact = _corpus.Exact(weights=1e-5, loss=1e-5)
+    exact = corpus.Exact(weights=1e-5, loss=1e-5)
     near = [w + 1e-6 for w in W]
-    cell = corpus.judge(_record(), _record(), exact, mine=near, theirs=W)
+    cell = run_corpus.judge(_record(), _record(), exact, mine=near, theirs=W)
     assert cell["result"] == "pass" and 0 < cell["weights"] <= 1e-5
     # Negative controls: a weight, a logged loss, a replica's copy, a program's own check.
     far = [W[0] + 1e-3, W[1]]
-    assert corpus.judge(_record(), _record(), exact, mine=far, theirs=W)["result"] == "differs"
+    assert run_corpus.judge(_record(), _record(), exact, mine=far, theirs=W)["result"] == "differs"
     halved = _record(losses=[0.45, 0.25])
-    assert "Δloss" in corpus.judge(halved, _record(), exact, mine=W, theirs=W)["why"]
-    assert "copies" in corpus.judge(_record(spread=1e-3), _record(), exact, mine=W,
+    assert "Δloss" in run_corpus.judge(halved, _record(), exact, mine=W, theirs=W)["why"]
+    assert "copies" in run_corpus.judge(_record(spread=1e-3), _record(), exact, mine=W,
                                     theirs=W)["why"]
-    assert "check" in corpus.judge(_record(checks={"reload": 0.1}), _record(), exact, mine=W,
+    assert "check" in run_corpus.judge(_record(checks={"reload": 0.1}), _record(), exact, mine=W,
                                    theirs=W)["why"]
-    assert corpus.judge(_record(), _record(), exact, mine=W[:1], theirs=W)["weights"] == np.inf
+    assert run_corpus.judge(_record(), _record(), exact, mine=W[:1], theirs=W)["weights"] == np.inf
     other = [W[0] + 1e-3, W[1]]
-    assert "copies" in corpus.judge(_record(spread=None), _record(), exact, mine=W, theirs=W,
+    assert "copies" in run_corpus.judge(_record(spread=None), _record(), exact, mine=W, theirs=W,
                                     other_worker=other)["why"]
 
 
 def test_a_property_program_needs_finite_values_its_trend_and_the_same_step_count():
-    prop = _corpus.Property(reason="dropout")
+    prop = corpus.Property(reason="dropout")
     far = [w + 0.5 for w in W]
-    assert corpus.judge(_record(), _record(), prop, mine=far, theirs=W)["result"] == "pass"
+    assert run_corpus.judge(_record(), _record(), prop, mine=far, theirs=W)["result"] == "pass"
     rising = _record(trend=[0.5, 0.9])
-    assert "not falling" in corpus.judge(rising, _record(), prop, mine=W, theirs=W)["why"]
+    assert "not falling" in run_corpus.judge(rising, _record(), prop, mine=W, theirs=W)["why"]
     nan = [np.array([np.nan, 1.0], "float32"), W[1]]
-    assert "finite" in corpus.judge(_record(), _record(), prop, mine=nan, theirs=W)["why"]
-    assert "steps" in corpus.judge(_record(iterations=[2]), _record(), prop, mine=W,
+    assert "finite" in run_corpus.judge(_record(), _record(), prop, mine=nan, theirs=W)["why"]
+    assert "steps" in run_corpus.judge(_record(iterations=[2]), _record(), prop, mine=W,
                                    theirs=W)["why"]
-    accuracy = _corpus.Property(reason="dropout", trend="rising")
-    assert corpus.judge(rising, _record(), accuracy, mine=W, theirs=W)["result"] == "pass"
+    accuracy = corpus.Property(reason="dropout", trend="rising")
+    assert run_corpus.judge(rising, _record(), accuracy, mine=W, theirs=W)["result"] == "pass"
     with pytest.raises(ValueError, match="trend must be"):
-        _corpus.Property(reason="x", trend="up")
+        corpus.Property(reason="x", trend="up")
 
 
 def test_a_failed_run_keeps_its_error():
     failed = {"status": "failed", "error": "TypeError: boom", "seconds": 2.0}
-    cell = corpus.judge(failed, _record(), _corpus.Exact(), mine=None, theirs=W)
+    cell = run_corpus.judge(failed, _record(), corpus.Exact(), mine=None, theirs=W)
     assert cell == {"seconds": 2.0, "result": "failed", "error": "TypeError: boom"}
 
 
@@ -149,27 +150,27 @@ def test_check_fails_on_a_regression_and_on_an_unexpected_fix():
                      "parameter_server": {"result": "pass"}}}
     expected = {"p": {"one_device": "pass", "mirrored": "pass",
                       "parameter_server": {"result": "failed", "cause": "refused"}}}
-    problems = corpus.check(results, expected)
+    problems = run_corpus.check(results, expected)
     assert len(problems) == 2
     assert any("mirrored: expected pass, got failed (regressed): E: x" in p for p in problems)
     assert any("parameter_server: expected failed, got pass (better than expected" in p
                for p in problems)
-    assert corpus.check(results, {"p": {"one_device": "pass", "mirrored": "failed",
+    assert run_corpus.check(results, {"p": {"one_device": "pass", "mirrored": "failed",
                                         "parameter_server": "pass"}}) == []
-    assert "no entry" in corpus.check(results, {"p": {}})[0]
+    assert "no entry" in run_corpus.check(results, {"p": {}})[0]
 
 
 def test_two_workers_merge_into_one_record():
     done = {"p": {"program": "p", "status": "finished", "seconds": 3.0}}
     failed = {"p": {"program": "p", "status": "failed", "error": "E", "seconds": 1.0}}
-    assert corpus._merge_workers("p", [done, done], 0)["status"] == "finished"
-    assert corpus._merge_workers("p", [done, failed], 3)["error"] == "E"
-    assert "worker 1 left no result" in corpus._merge_workers("p", [done, {}], 137)["error"]
-    assert corpus._merge_workers("p", [{}, {}], 137) is None
+    assert run_corpus._merge_workers("p", [done, done], 0)["status"] == "finished"
+    assert run_corpus._merge_workers("p", [done, failed], 3)["error"] == "E"
+    assert "worker 1 left no result" in run_corpus._merge_workers("p", [done, {}], 137)["error"]
+    assert run_corpus._merge_workers("p", [{}, {}], 137) is None
 
 
 def test_error_line_skips_tensorflow_boilerplate():
-    from tests.programs._runner import error_line
+    from tests.programs.run_preset import error_line
 
     exc = ValueError("Graph execution error:\n\nDetected at node Foo defined at:\n"
                      "  File \"x.py\", line 1\nValue for attr 'T' of string is not allowed")
@@ -184,7 +185,7 @@ def test_error_line_skips_tensorflow_boilerplate():
 
 
 def test_the_corpus_refuses_an_unknown_program():
-    proc = run_python("-m", "tests.programs.corpus", "--programs=no_such_program",
+    proc = run_python("-m", "tests.programs.run_corpus", "--programs=no_such_program",
                       "--presets=one_device", timeout=120)
     assert proc.returncode == 2 and "unknown programs ['no_such_program']" in proc.stderr
 
@@ -192,6 +193,6 @@ def test_the_corpus_refuses_an_unknown_program():
 def test_the_docs_link_and_describe_the_corpus():
     with open(os.path.join(REPO, "README.md")) as f:
         assert "docs/programs.md" in f.read()
-    with open(corpus.DOCS) as f:
+    with open(run_corpus.DOCS) as f:
         text = f.read()
-    assert "python -m tests.programs.corpus" in text and "TFDIST_FULL_CORPUS=1" in text
+    assert "python -m tests.programs.run_corpus" in text and "TFDIST_FULL_CORPUS=1" in text

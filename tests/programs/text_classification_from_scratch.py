@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, logged, reviews
+from tests.programs.corpus import KERAS_IO, Outcome, Property, logged, reviews
 
 SOURCE = KERAS_IO + "examples/nlp/text_classification_from_scratch.py"
 COMPARE = Property(reason="Dropout: each replica draws its own mask")

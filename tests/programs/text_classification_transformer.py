@@ -13,7 +13,7 @@ import keras
 import numpy as np
 from keras import layers, ops
 
-from tests.programs._corpus import (
+from tests.programs.corpus import (
     FILLER,
     KERAS_IO,
     NEGATIVE,

@@ -16,7 +16,7 @@ import tempfile
 import keras
 import numpy as np
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, logged
 
 SOURCE = KERAS_IO + "examples/timeseries/timeseries_classification_from_scratch.py"
 COMPARE = Property(reason="BatchNormalization normalizes each replica's part of the batch "

@@ -10,7 +10,7 @@ Changed: MNIST (60,000 + 10,000 images of 28x28) -> 512 + 128 synthetic 8x8 digi
 import keras
 import tensorflow as tf
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, images, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, images, logged
 
 SOURCE = KERAS_IO + "examples/keras_recipes/trainer_pattern.py"
 COMPARE = Property(reason="Dropout: each replica draws its own mask", trend="rising")

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 from keras import layers
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, logged
 
 SOURCE = KERAS_IO + "guides/transfer_learning.py"
 COMPARE = Property(reason="random flips and rotations in the input pipeline, Dropout")

@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 from keras import layers, ops
 
-from tests.programs._corpus import KERAS_IO, Outcome, Property, images, logged
+from tests.programs.corpus import KERAS_IO, Outcome, Property, images, logged
 
 SOURCE = KERAS_IO + "examples/generative/vae.py"
 COMPARE = Property(reason="the sampling noise is drawn per replica")

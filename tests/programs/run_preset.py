@@ -1,8 +1,8 @@
 """Runs corpus programs one after another under one preset, in this process.
 
-    python -m tests.programs._runner --preset=mirrored --programs=a,b --out=DIR
+    python -m tests.programs.run_preset --preset=mirrored --programs=a,b --out=DIR
     python -m tfdist.launch --num_workers=2 -- \\
-        python -m tests.programs._runner --preset=multi_worker_mirrored --programs=a,b --out=DIR
+        python -m tests.programs.run_preset --preset=multi_worker_mirrored --programs=a,b --out=DIR
 
 TensorFlow starts once, with the preset's strategy made first thing (as a user's script
 does). Before each program: `keras.backend.clear_session()` and
@@ -11,7 +11,7 @@ does). Before each program: `keras.backend.clear_session()` and
 Writes, per program, one JSON line to DIR/<preset>[.worker<i>].jsonl (status, first error
 line, logged losses, the program's own checks, optimizer step counts, the largest
 difference between replicas' copies of a weight, seconds) and the final weights to
-DIR/<preset>/<program>[.worker<i>].npz. The driver (tests/programs/corpus.py) compares them.
+DIR/<preset>/<program>[.worker<i>].npz. The driver (tests/programs/run_corpus.py) compares them.
 
 Exit status: 0 when every program finished; 3 right after the first program that failed
 and 4 when one ran past --timeout (the driver starts a fresh process for the programs
@@ -33,7 +33,7 @@ import traceback
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.programs import _corpus
+from tests.programs import corpus  # noqa: E402
 
 PRESETS = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_server")
 NUM_DEVICES = 2                # mirrored: 2 logical CPUs (the reference runs on the same layout)
@@ -120,10 +120,10 @@ def run_program(name: str, preset: str, factory, shared, out: str, suffix: str) 
     import numpy as np
 
     keras.backend.clear_session()
-    keras.utils.set_random_seed(_corpus.SEED)
+    keras.utils.set_random_seed(corpus.SEED)
     workdir = os.path.join(out, "work", preset, name)
     os.makedirs(workdir, exist_ok=True)
-    run = _corpus.Run(preset=preset, workdir=workdir, strategy_factory=factory,
+    run = corpus.Run(preset=preset, workdir=workdir, strategy_factory=factory,
                       shared_strategy=shared)
     module = importlib.import_module(f"tests.programs.{name}")
     outcome = module.main(run)
