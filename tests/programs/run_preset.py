@@ -35,9 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.programs import corpus  # noqa: E402
 
-PRESETS = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_server")
+PRESETS = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_server",
+           "parameter_server_async")
 NUM_DEVICES = 2                # mirrored: 2 logical CPUs (the reference runs on the same layout)
-PS_WORKERS, PS_SERVERS = 2, 1  # the in-process parameter-server cluster
+# The in-process parameter-server clusters: one worker (steps run one after another, in
+# order: the run must equal one device) and two (asynchronous: judged by a property).
+PS_WORKERS = {"parameter_server": 1, "parameter_server_async": 2}
 EXIT_FAILED, EXIT_TIMEOUT = 3, 4
 
 
@@ -63,9 +66,9 @@ def strategy_factory(preset: str):
         return lambda: tfdist.make_strategy("mirrored", num_devices=NUM_DEVICES)
     if preset == "multi_worker_mirrored":
         return lambda: tfdist.make_strategy("multi_worker_mirrored")
-    if preset == "parameter_server":
-        return lambda: tfdist.make_strategy("parameter_server", local_workers=PS_WORKERS,
-                                            local_ps=PS_SERVERS)
+    if preset in PS_WORKERS:
+        return lambda: tfdist.make_strategy("parameter_server", local_workers=PS_WORKERS[preset],
+                                            local_ps=1)
     raise ValueError(f"Unknown corpus preset {preset!r}; expected one of {PRESETS}.")
 
 

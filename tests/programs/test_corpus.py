@@ -38,7 +38,8 @@ def test_corpus_cells_are_as_expected(tmp_path):
     results = json.loads((out / "results.json").read_text())["results"]
     expected_programs = corpus.PROGRAMS if FULL else corpus.PUSH_SUBSET
     assert list(results) == list(expected_programs)
-    assert all(set(row) == {run_corpus.REFERENCE, *run_corpus.COLUMNS} for row in results.values())
+    columns = run_corpus.COLUMNS if FULL else run_corpus.PUSH_COLUMNS
+    assert all(set(row) == {run_corpus.REFERENCE, *columns} for row in results.values())
 
 
 def _docs_cells() -> dict:
@@ -64,8 +65,8 @@ def test_docs_table_agrees_with_the_expectations():
     assert list(docs) == list(corpus.PROGRAMS)
     for program, row in docs.items():
         for preset, result in row.items():
-            want = run_corpus.expected_result(expected[program][preset])
-            assert want == result, (program, preset)
+            assert result in run_corpus.allowed_results(expected[program][preset]), \
+                (program, preset)
     assert all(run_corpus.expected_result(expected[p][run_corpus.REFERENCE]) == "pass"
                for p in corpus.PROGRAMS)
 
@@ -138,6 +139,19 @@ def test_a_property_program_needs_finite_values_its_trend_and_the_same_step_coun
         corpus.Property(reason="x", trend="up")
 
 
+def test_asynchronous_workers_are_judged_by_what_they_must_keep():
+    exact = corpus.Exact()
+    far = [w + 0.5 for w in W]
+    ok = run_corpus.judge(_record(trend=[0.5, 0.9]), _record(), exact, mine=far, theirs=W,
+                          asynchronous=True)
+    assert ok["result"] == "pass"
+    lost = run_corpus.judge(_record(iterations=[3]), _record(), exact, mine=far, theirs=W,
+                            asynchronous=True)
+    assert "steps [3] != one device's [4]" in lost["why"]
+    assert run_corpus.judge(_record(checks={"reload": 1.0}), _record(), exact, mine=W,
+                            theirs=W, asynchronous=True)["result"] == "differs"
+
+
 def test_a_failed_run_keeps_its_error():
     failed = {"status": "failed", "error": "TypeError: boom", "seconds": 2.0}
     cell = run_corpus.judge(failed, _record(), corpus.Exact(), mine=None, theirs=W)
@@ -156,8 +170,17 @@ def test_check_fails_on_a_regression_and_on_an_unexpected_fix():
     assert any("parameter_server: expected failed, got pass (better than expected" in p
                for p in problems)
     assert run_corpus.check(results, {"p": {"one_device": "pass", "mirrored": "failed",
-                                        "parameter_server": "pass"}}) == []
+                                            "parameter_server": "pass"}}) == []
     assert "no entry" in run_corpus.check(results, {"p": {}})[0]
+    # A cell that varies from run to run allows its results; a failure names its error.
+    varies = {"p": {"one_device": "pass", "mirrored": {"result": ["failed", "pass"]},
+                    "parameter_server": "pass"}}
+    assert run_corpus.check(results, varies) == []
+    other = {"p": {"one_device": "pass", "mirrored": {"result": "failed", "error": "E: y"},
+                   "parameter_server": "pass"}}
+    assert "fails for another reason" in run_corpus.check(results, other)[0]
+    other["p"]["mirrored"]["error"] = "E: x"
+    assert run_corpus.check(results, other) == []
 
 
 def test_two_workers_merge_into_one_record():
@@ -184,10 +207,13 @@ def test_error_line_skips_tensorflow_boilerplate():
     assert len(error_line(RuntimeError("x" * 500))) == 220
 
 
-def test_the_corpus_refuses_an_unknown_program():
+def test_the_corpus_refuses_an_unknown_program_or_preset():
     proc = run_python("-m", "tests.programs.run_corpus", "--programs=no_such_program",
                       "--presets=one_device", timeout=120)
     assert proc.returncode == 2 and "unknown programs ['no_such_program']" in proc.stderr
+    proc = run_python("-m", "tests.programs.run_corpus", "--presets=one_device,tpu",
+                      timeout=120)
+    assert proc.returncode == 2 and "unknown presets ['tpu']" in proc.stderr
 
 
 def test_the_docs_link_and_describe_the_corpus():
