@@ -486,6 +486,10 @@ def main(argv=None) -> int:
                      f"the corpus runs {[REFERENCE, *COLUMNS]}")
     if REFERENCE not in presets:
         presets.insert(0, REFERENCE)
+    if args.docs and (set(programs) != set(corpus.PROGRAMS)
+                      or set(presets) != {REFERENCE, *COLUMNS}):
+        parser.error("--docs redraws the whole table: run every program under every preset "
+                     "(no --programs, --subset or --presets)")
     if args.rejudge and not args.out:
         parser.error("--rejudge judges the records of an earlier run: give its --out")
     out = args.out or tempfile.mkdtemp(prefix="tfdist-corpus-")
