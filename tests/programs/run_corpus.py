@@ -11,15 +11,17 @@ Each preset runs in its own process (TensorFlow imported once), all programs one
 another (tests/programs/run_preset.py): `one_device` (the reference: TensorFlow's default
 strategy, no distribution, on the same 2 logical CPUs), `mirrored` (2 logical CPUs),
 `multi_worker_mirrored` (2 workers under `python -m tfdist.launch --num_workers=2`, one
-launch running every program) and `parameter_server` (the in-process cluster: 2 workers,
-1 ps). After a failure a fresh process takes the programs left.
+launch running every program), `parameter_server` (the in-process cluster with 1 worker and
+1 ps: steps run in order, so it must equal one device) and `parameter_server_async` (2
+workers, 1 ps). After a failure a fresh process takes the programs left.
 
 Each cell (program x preset) is then one of
   pass      finished, and equal to one device (programs with COMPARE = Exact: final weights
             and logged losses within the stated tolerance) or showing the stated property
             (COMPARE = Property: finite, falling loss, the same step count); the program's
             own checks (reloaded files, ...) within CHECK_TOLERANCE; replicas' and workers'
-            copies identical (<= 1e-6).
+            copies identical (<= 1e-6). Under `parameter_server_async` every program is
+            judged as asynchronous training: finite values, the same step count, its checks.
   differs   finished, but not that.
   failed    raised (the first error line is kept) or ran past its time limit.
 
