@@ -165,12 +165,12 @@ def _dataset(tf, inputs, outputs, batch, *, classes=True):
 
 
 def _throughput(quick):
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()  # before keras: no TensorFlow start-up lines
     import keras
 
     import tfdist
-    from tfdist._tf import import_tensorflow
-
-    tf = import_tensorflow()
     data = _dataset(tf, 784, 10, GLOBAL_BATCH)
 
     def build(steps_per_execution=1):
@@ -260,13 +260,13 @@ def _matmul_peak(tf, n, chain):
 
 
 def _mfu(quick):
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()  # before keras: no TensorFlow start-up lines
     import keras
 
     import tfdist
     from tfdist import planning as cost  # the cost model
-    from tfdist._tf import import_tensorflow
-
-    tf = import_tensorflow()
     widths = (1024, (2048, 2048, 2048), 1024)
     data = _dataset(tf, widths[0], widths[2], MFU_BATCH, classes=False)
 

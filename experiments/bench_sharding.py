@@ -16,7 +16,10 @@ device, the bytes of weights, reduced gradients and optimizer state read
 from the real variables and traced tensors (tfdist.sharding.memory) next to
 tfdist.cost.sharded_state_bytes; and the peak of the memory allocator. On
 GPUs that peak is per device; logical CPUs share one allocator, so on CPUs
-it is the whole process (both replicas and the host) and says so.
+it is the whole process (both replicas and the host) and says so. The CPU
+allocator is TensorFlow's BFC allocator in every worker
+(TF_CPU_ALLOCATOR_USE_BFC=1): TensorFlow's default one keeps statistics only
+where oneDNN is on (CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX).
 
 `run(quick)` returns the rows (for experiments/benchmark.py).
 """
@@ -131,7 +134,8 @@ def _start(config, quick: bool) -> subprocess.Popen:
         [sys.executable, "-m", "experiments.bench_sharding", f"--worker={shard}:{offload}"]
         + (["--quick"] if quick else []),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env=dict(os.environ, KERAS_BACKEND="tensorflow"),
+        # The CPU allocator with statistics on every CPU (the peaks above).
+        env=dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="1"),
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

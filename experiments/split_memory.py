@@ -8,7 +8,11 @@ examples, so a micro-batch keeps 2 MiB per layer for the backward pass; the step
 has M of them). For each schedule
 the step runs once to trace, then TensorFlow's allocator statistics
 (`tf.config.experimental.get_memory_info`, shared by the logical CPUs) are reset
-and the peak above the bytes already allocated is read over one step.
+and the peak above the bytes already allocated is read over one step. The
+allocator is TensorFlow's BFC allocator on every CPU (TF_CPU_ALLOCATOR_USE_BFC=1,
+set before TensorFlow starts): its default CPU allocator keeps statistics only
+where oneDNN is on (CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX), and raises
+"Allocator stats not available" elsewhere (an AMD EPYC without AVX-512).
 
 The unit is measured the same way: the unsplit model stepped on one and on two
 micro-batches; the difference is what one more micro-batch in flight costs,
@@ -31,6 +35,8 @@ FEATURES, WIDTH, DEPTH, MICRO_BATCH_SIZE, STAGES = 16, 512, 8, 1024, 2
 
 
 def measure(micro_batches: int) -> dict:
+    # Read when TensorFlow creates its CPU allocator: before it starts.
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "1"
     import numpy as np
 
     import tfdist

@@ -81,17 +81,26 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
         epochs: int, steps_per_epoch: int | None, learning_rate: float, seed: int,
         model_dir: str | None = None, verbose: int | str = "auto",
         split_options=None, step_options=None) -> dict:
-    """Trains and evaluates one configuration; returns the metrics summary."""
+    """Trains and evaluates one configuration; returns the metrics summary.
+
+    `verbose` is Keras's `fit` verbosity; with 0 the summary lines are not
+    printed either (a multi-worker job prints them once, from the chief).
+    """
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()  # before keras: no TensorFlow start-up or INFO lines
     import keras
     import numpy as np
 
     import tfdist
     from tfdist import step_options as step_lib
+    from tfdist.strategies import strategy_name
     from models import build_model
     from models.datasets import load_dataset
-    from tfdist._tf import import_tensorflow
 
-    tf = import_tensorflow()
+    def say(text: str) -> None:
+        if verbose != 0:
+            print(text, flush=True)
     start = time.perf_counter()
     data = load_dataset(dataset_name, seed=seed)
     if global_batch_size > len(data.x_train):
@@ -105,9 +114,9 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
     replicas = strategy.num_replicas_in_sync
     per_replica = tfdist.per_replica_batch_size(global_batch_size, replicas)
     steps = steps_per_epoch or max(1, len(data.x_train) // global_batch_size)
-    print(f"tfdist: {tfdist.describe(strategy, global_batch_size)}", flush=True)
-    print(f"tfdist: {model_name} on {dataset_name}: {len(data.x_train)} train / "
-          f"{len(data.x_test)} held-out examples, {steps} steps/epoch", flush=True)
+    say(f"tfdist: {tfdist.describe(strategy, global_batch_size)}")
+    say(f"tfdist: {model_name} on {dataset_name}: {len(data.x_train)} train / "
+        f"{len(data.x_test)} held-out examples, {steps} steps/epoch")
 
     train = (tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
              .shuffle(len(data.x_train), seed=seed).repeat()
@@ -126,7 +135,7 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
             from tfdist.split import split_from_options
 
             model = split_from_options(model, split_options)
-            print(tfdist.placement_report(model, batch_size=global_batch_size), flush=True)
+            say(tfdist.placement_report(model, batch_size=global_batch_size))
         model.compile(step_lib.optimizer(keras.optimizers.Adam(learning_rate), step_options),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"], **step_lib.compile_arguments(step_options))
@@ -145,7 +154,7 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
     steady = throughput[1:] or throughput  # the first epoch includes tracing
     return {
         "preset": strategy_options.preset,
-        "strategy": type(strategy).__name__,
+        "strategy": strategy_name(strategy),
         "num_replicas": replicas,
         "devices": list(tfdist.replica_devices(strategy)),
         "global_batch_size": global_batch_size,
@@ -169,7 +178,12 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     tfdist_flags.apply_verbosity()
+    import tfdist
+
     try:
+        # Progress and summaries from the chief only (worker 0 without one): a bar
+        # on a terminal or under `tfdist launch`, one line per epoch into a file.
+        verbose = tfdist.fit_verbose()
         check_inputs(learning_rate=FLAGS.learning_rate, logical_devices=FLAGS.logical_devices,
                      model_dir=FLAGS.model_dir, metrics_out=FLAGS.metrics_out)
         if FLAGS.strategy != "multi_worker_mirrored":
@@ -180,14 +194,15 @@ def main(argv):
             model_name=FLAGS.model, dataset_name=FLAGS.dataset,
             global_batch_size=FLAGS.global_batch_size, epochs=FLAGS.epochs,
             steps_per_epoch=FLAGS.steps_per_epoch, learning_rate=FLAGS.learning_rate,
-            seed=FLAGS.seed, model_dir=FLAGS.model_dir,
+            seed=FLAGS.seed, model_dir=FLAGS.model_dir, verbose=verbose,
             split_options=tfdist_flags.split_options_from_flags(),
             step_options=tfdist_flags.step_options_from_flags())
     except (ValueError, RuntimeError, flags.ValidationError) as e:
         # Bad input: the message says what was received and how to fix it.
         raise SystemExit(f"error: {e}") from None
-    print(f"tfdist: held-out accuracy {metrics['test_accuracy']:.4f}, "
-          f"{metrics['samples_per_sec']:.0f} samples/s, {metrics['wall_time_s']:.1f} s wall")
+    if verbose != 0:
+        print(f"tfdist: held-out accuracy {metrics['test_accuracy']:.4f}, "
+              f"{metrics['samples_per_sec']:.0f} samples/s, {metrics['wall_time_s']:.1f} s wall")
     if FLAGS.metrics_out:
         from tfdist.chief import chief_path
 

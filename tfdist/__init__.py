@@ -73,6 +73,7 @@ _EXPORTS = {
     "MultiWorkerMirroredOptions": "tfdist.config",
     "is_chief": "tfdist.chief",
     "chief_path": "tfdist.chief",
+    "fit_verbose": "tfdist.chief",
     "LaunchResult": "tfdist.launch",
     "BackupAndRestore": "tfdist.checkpoint",
     # notebooks

@@ -7,9 +7,12 @@
 The numbers are added to the epoch's `logs` (so `History`, the progress bar,
 `CSVLogger` and Keras's own TensorBoard callback see them) and, with
 `log_dir`, written as TensorBoard scalars under `tfdist/`. Memory comes from
-`tf.config.experimental.get_memory_info`, which GPUs report (and, in TF
-2.21, CPUs too: logical CPUs share one allocator, so they show the same
-number); devices that raise are skipped, with the reason in
+`tf.config.experimental.get_memory_info`, which GPUs report. CPUs report it
+only where TensorFlow's CPU allocator keeps statistics: where oneDNN is on
+(by default on CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX) or with
+TF_CPU_ALLOCATOR_USE_BFC=1 set before TensorFlow starts; logical CPUs share
+one allocator, so they show the same number. Devices that raise (e.g. the
+CPU of an AMD EPYC without AVX-512) are skipped, with the reason in
 `unreported_devices`.
 """
 

@@ -29,6 +29,7 @@ import os
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 import threading
 from typing import Mapping
@@ -63,6 +64,47 @@ def task_name(environ: Mapping[str, str] | None = None) -> str:
     """'worker:1', 'chief:0', ... ('local' without TF_CONFIG)."""
     config = _config(environ)
     return "local" if config is None else f"{config.task_type}:{config.task_id}"
+
+
+# Set by `tfdist launch` in every task: "main" or "all" (its --output).
+OUTPUT_ENV = "TFDIST_OUTPUT"
+
+
+def fit_verbose(environ: Mapping[str, str] | None = None, *, stream=None) -> int | str:
+    """The `verbose` for `model.fit` in this task: progress shown once, readable where it goes.
+
+        model.fit(dataset, epochs=3, verbose=tfdist.fit_verbose())
+
+    - "auto" (Keras's progress bar) on the chief (worker 0 without one, or a
+      one-process run) when its output is drawn live: a terminal, a notebook,
+      or `tfdist launch` (which shows one bar for the job, and plain lines
+      without escape codes when its own output is a pipe);
+    - 2 (one plain line per epoch) on the chief writing to a file or pipe
+      directly (SLURM's `srun`, Ray, `nohup`), where Keras's bar would be
+      escape codes and carriage returns;
+    - 0 on every other task (its progress repeats the chief's), unless
+      `tfdist launch --output=all` asked for every task's output.
+
+    Args:
+      environ: the environment to read TF_CONFIG and TFDIST_OUTPUT from
+        (default: os.environ).
+      stream: where Keras writes (default: sys.stdout).
+
+    Raises:
+      TFConfigError: TF_CONFIG is set but invalid.
+    """
+    environ = os.environ if environ is None else environ
+    launched = environ.get(OUTPUT_ENV)
+    if launched != "all" and not is_chief(environ):
+        return 0
+    if launched is not None:
+        return "auto"
+    stream = sys.stdout if stream is None else stream
+    try:
+        live = bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        live = False
+    return "auto" if live or "ipykernel" in sys.modules else 2
 
 
 # --- scratch ----------------------------------------------------------------------

@@ -248,8 +248,39 @@ def _check_tf_config() -> None:
         os.environ["TF_CONFIG"] = "{}"
 
 
+# The names users know (tf.distribute's public classes), most specific first:
+# MultiWorkerMirroredStrategy's class is CollectiveAllReduceStrategy, and
+# ParameterServerStrategy's is ParameterServerStrategyV2.
+_PUBLIC_STRATEGIES = ("MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy",
+                      "ParameterServerStrategy", "experimental.CentralStorageStrategy",
+                      "TPUStrategy")
+
+
+def strategy_name(strategy) -> str:
+    """The strategy's name as `tf.distribute` exports it ("MultiWorkerMirroredStrategy").
+
+    TensorFlow's default strategy (no distribution) is "default strategy";
+    a class tfdist does not know keeps its own name.
+    """
+    tf = import_tensorflow()
+    for name in _PUBLIC_STRATEGIES:
+        cls = tf.distribute
+        for part in name.split("."):
+            cls = getattr(cls, part, None)
+        if isinstance(cls, type) and isinstance(strategy, cls):
+            return name.rsplit(".", 1)[-1]
+    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        return "default strategy"
+    return type(strategy).__name__
+
+
 def describe(strategy, global_batch_size: int | None = None) -> str:
-    """One line: strategy type, replicas, devices and the per-replica batch.
+    """One line: strategy, replicas, devices and the per-replica batch.
+
+        MirroredStrategy: 2 replica(s) on /job:localhost/.../CPU:0, /job:localhost/.../CPU:1;
+          global batch 64 = 2 x 32 per replica
+        MultiWorkerMirroredStrategy: 2 replica(s) on 2 workers (worker:0 here:
+          /job:worker/replica:0/task:0/device:CPU:0); global batch 64 = 2 x 32 per replica
 
     Raises:
       ValueError: if `global_batch_size` does not divide over the replicas.
@@ -257,19 +288,24 @@ def describe(strategy, global_batch_size: int | None = None) -> str:
     replicas = strategy.num_replicas_in_sync
     from tfdist.compat import tf_state
 
+    name = strategy_name(strategy)
     resolver = tf_state.cluster_resolver(strategy)
     jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
     if "ps" in jobs:
         # Asynchronous: each worker step uses the whole global batch.
-        text = (f"{type(strategy).__name__}: {len(jobs.get('worker', []))} worker(s), "
+        text = (f"{name}: {len(jobs.get('worker', []))} worker(s), "
                 f"{len(jobs['ps'])} ps, asynchronous; coordinator "
                 f"{'chief' if 'chief' in jobs else 'in this process'}")
         if global_batch_size is not None:
             text += f"; batch {global_batch_size} per worker step"
         return text
-    devices = replica_devices(strategy)
-    text = (f"{type(strategy).__name__}: {replicas} replica(s) on "
-            f"{', '.join(devices) or 'the default device'}")
+    devices = ", ".join(replica_devices(strategy)) or "the default device"
+    workers = len(jobs.get("worker", [])) + len(jobs.get("chief", []))
+    if workers > 1:
+        task = f"{resolver.task_type}:{resolver.task_id}"
+        text = f"{name}: {replicas} replica(s) on {workers} workers ({task} here: {devices})"
+    else:
+        text = f"{name}: {replicas} replica(s) on {devices}"
     if global_batch_size is not None:
         per_replica = config_lib.per_replica_batch_size(global_batch_size, replicas)
         text += f"; global batch {global_batch_size} = {replicas} x {per_replica} per replica"

@@ -458,7 +458,7 @@ def test_tensorflow_startup_lines_are_dropped_unless_asked_for(tmp_path):
     assert "[worker:0] E0000 00:00:1.0   1 some_op.cc:1] a real error stays" in err
     for line in _TF_STARTUP:
         assert line not in err
-    _, _, err = _run([PY, script], num_workers=1, startup_logs=True)
+    _, _, err = _run([PY, script], num_workers=1, tf_logs=True)
     for line in _TF_STARTUP:
         assert f"[worker:0] {line}" in err
 

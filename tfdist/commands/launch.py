@@ -10,8 +10,15 @@ launcher's own interpreter (the one tfdist is installed in), not the first
 one on PATH; give a full path for another. Each task gets TF_CONFIG,
 TFDIST_LAUNCH_ATTEMPT (1 for the first start, 2 after the first group
 restart, ...) and TFDIST_SCRATCH_DIR (a private scratch directory removed when
-the job ends). Output lines are prefixed with the task (`[worker:1] ...`);
-TensorFlow's C++ start-up lines are dropped unless --verbosity=1.
+the job ends).
+
+Output: every line is prefixed with its task (`[worker:1] ...`). By default
+(--output=main) the job shows one progress display, the chief's (else worker
+0's) Keras progress bar: live when this command's stdout is a terminal, one
+plain line per epoch without escape codes when it is a pipe or a file. Other
+tasks' progress is hidden; their other lines, warnings and errors are shown.
+TensorFlow's start-up lines and INFO log lines (C++ and Python) are hidden
+unless --verbosity=1. --output=all shows everything every task writes.
 
 Network: one machine (no --nnodes): the tasks run in a private network
 namespace with loopback only (--network=private/auto), so their TensorFlow
@@ -55,6 +62,11 @@ flags.DEFINE_float("progress_timeout", None,
                    "the group is stopped with a message naming it (exit status 124; restarted "
                    "under --max_restarts). With --num_ps only the chief is watched. Keras's "
                    "progress bar (verbose=1 or 2) counts as output. Default: no limit.")
+flags.DEFINE_enum("output", "main", ["main", "all"],
+                  "'main': one progress display (the chief's, else worker 0's; live on a "
+                  "terminal, plain lines on a pipe), other tasks' progress hidden, TensorFlow's "
+                  "start-up and INFO log lines hidden (--verbosity=1 shows them); warnings, "
+                  "errors and every other line shown. 'all': everything from every task.")
 flags.DEFINE_float("grace_period", 5.0, "Seconds between SIGTERM and SIGKILL when stopping tasks.")
 flags.DEFINE_enum("network", "auto", list(isolation.NETWORKS),
                   "One machine: 'private' runs the tasks in a loopback-only network namespace "
@@ -97,7 +109,7 @@ def main(argv: list[str]) -> int:
     common = dict(num_ps=FLAGS.num_ps, chief=FLAGS.chief, max_restarts=FLAGS.max_restarts,
                   max_worker_restarts=FLAGS.max_worker_restarts, timeout=FLAGS.timeout,
                   progress_timeout=FLAGS.progress_timeout, grace_period=FLAGS.grace_period,
-                  startup_logs=FLAGS.verbosity >= 1)
+                  output=FLAGS.output, tf_logs=FLAGS.verbosity >= 1)
     try:
         if multi:
             if FLAGS.coordinator is None:

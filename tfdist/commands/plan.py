@@ -242,6 +242,11 @@ def load_model(spec: str, shape: tuple | None, num_classes: int):
     import importlib
     import os
 
+    from tfdist._tf import import_tensorflow
+
+    # Before anything imports keras (the example models, the user's module):
+    # TensorFlow without its C++ start-up lines, so stdout/stderr stay clean.
+    import_tensorflow()
     if ":" in spec and not os.path.exists(spec):
         module_name, _, function = spec.partition(":")
         try:

@@ -42,7 +42,8 @@ import time
 from typing import IO, Mapping, Sequence
 
 from tfdist import cluster as cluster_lib
-from tfdist.launch import isolation, jobdir, output, policy, program, supervisor
+from tfdist.launch import isolation, jobdir, policy, program, supervisor
+from tfdist.launch import output as output_lib
 from tfdist.launch.policy import TIMEOUT_EXIT_CODE, LaunchResult
 
 PROTOCOL = 1
@@ -420,7 +421,8 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
                 max_worker_restarts: int | None = None, timeout: float | None = None,
                 progress_timeout: float | None = None, grace_period: float = 5.0,
                 join_timeout: float = 300.0, node_timeout: float = 30.0,
-                startup_logs: bool = False, env: Mapping[str, str] | None = None,
+                output: output_lib.Show = "main", tf_logs: bool = False,
+                env: Mapping[str, str] | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
     """Runs this node's tasks of an N-node job (call it on every node).
 
@@ -443,7 +445,10 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
       join_timeout: seconds to reach the coordinator and for all nodes to join.
       node_timeout: seconds without any message between a node and the
         coordinator before the job ends (they ping every 2 s).
-      startup_logs: keep TensorFlow's start-up lines.
+      output: "main" (one progress display: the chief's, else worker 0's, on
+        the node that runs it; TensorFlow's logs hidden) or "all" (every
+        line of every task); see `tfdist.launch.launch`.
+      tf_logs: keep TensorFlow's start-up and INFO log lines.
       env: the tasks' base environment (default: os.environ).
       stdout, stderr: where the prefixed output goes.
 
@@ -480,19 +485,14 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
             raise ValueError(f"{e} Give a host name or IP address without a port.") from None
     supervisor.check_file_limit(sum(here.values()))
     address = parse_coordinator(coordinator)
+    output_lib.check_show(output)
     prog = program.resolve(cmd, env=env)
-    out, err = stdout or sys.stdout, stderr or sys.stderr
-    lock = threading.Lock()
+    console = output_lib.Console(out=stdout or sys.stdout, err=stderr or sys.stderr)
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
 
     def say(text: str) -> None:
-        with lock:
-            try:
-                err.write(f"{supervisor.PREFIX} node {node_rank}: {text}\n")
-                err.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                pass
+        console.line("err", f"{supervisor.PREFIX} node {node_rank}: {text}")
 
     server = None
     if node_rank == 0:
@@ -505,7 +505,8 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
         say(f"coordinator listening on {address[0]}:{address[1]} for {nnodes} node(s)")
     keeper = isolation.JobKeeper(network="host")
     job_dir = jobdir.JobDir()
-    relay = output.Relay(out=out, err=err, lock=lock, startup_logs=startup_logs)
+    relay = output_lib.Relay(console=console, display=output_lib.Display(
+        main_task=output_lib.main_task(chief=bool(chief)), show=output, tf_logs=tf_logs))
     inbox: queue.Queue = queue.Queue()
     channel = None
     try:
@@ -514,7 +515,7 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
         sock = _connect(address, started + join_timeout, say)
         channel = Channel(sock, inbox, name="coordinator")
         host = node_address or sock.getsockname()[0]
-        base_env = supervisor.task_env(env, job_dir=job_dir.path, startup_logs=startup_logs)
+        base_env = supervisor.task_env(env, job_dir=job_dir.path, tf_logs=tf_logs, show=output)
         with supervisor.Signals() as signals:
             return _node_loop(
                 channel, inbox, prog=prog, host=host, here=here, nnodes=nnodes,

@@ -14,8 +14,8 @@ imported TensorFlow cannot be forked safely (its runtime threads do not
 survive fork), and a multi-worker cluster needs one fresh process per task
 with its own TF_CONFIG. So the function's *source* is sent to new Python
 processes started by `tfdist.launch.launch` (a private loopback-only network
-where the OS allows it, output prefixed with each task's name, failures stop
-the group). The function must therefore be self-contained: import what it
+where the OS allows it, output prefixed with each task's name, one progress
+bar drawn in the cell, failures stop the group). The function must therefore be self-contained: import what it
 uses inside its body, and take and return picklable values.
 
 The tasks import with the kernel's `sys.path` and its working directory (so
@@ -114,8 +114,8 @@ def _function_source(function: Callable) -> str:
 def notebook_launcher(function: Callable, args: Sequence[Any] = (), kwargs: dict | None = None,
                       *, num_workers: int = 2, num_ps: int = 0, chief: bool = False,
                       max_restarts: int = 0, timeout: float | None = 600.0,
-                      network: str = "auto", env: dict[str, str] | None = None
-                      ) -> dict[str, Any]:
+                      network: str = "auto", output: str = "main",
+                      env: dict[str, str] | None = None) -> dict[str, Any]:
     """Runs `function(*args, **kwargs)` once per task of a local cluster.
 
     Args:
@@ -125,6 +125,9 @@ def notebook_launcher(function: Callable, args: Sequence[Any] = (), kwargs: dict
       max_restarts: restart the whole group after a failure up to this often.
       timeout: seconds for the whole job; None for no limit.
       network: "auto", "private" or "host" (see `tfdist.launch.launch`).
+      output: "main": the chief's (else worker 0's) Keras progress bar, drawn
+        in place in the cell, other tasks' progress and TensorFlow's start-up
+        and INFO log lines hidden; "all": everything from every task.
       env: extra environment variables for the tasks.
 
     Returns:
@@ -154,7 +157,7 @@ def notebook_launcher(function: Callable, args: Sequence[Any] = (), kwargs: dict
                                    name=function.__name__, out_dir=work_dir))
         result = launch_lib.launch(
             [sys.executable, script], num_workers=num_workers, num_ps=num_ps, chief=chief,
-            max_restarts=max_restarts, timeout=timeout, network=network,
+            max_restarts=max_restarts, timeout=timeout, network=network, output=output,
             env={**os.environ, **(env or {})})
         if not result.ok:
             raise NotebookLaunchError(result.message)

@@ -10,8 +10,10 @@ What it does, like torchrun / horovodrun for TensorFlow:
 - runs the tasks in a private loopback-only network namespace where the OS
   allows it (`tfdist.launch.isolation`): TensorFlow's servers listen on every
   interface and run any op they are sent;
-- prefixes every output line with the task (`[worker:1] ...`), drops
-  TensorFlow's start-up lines, caps line length (`tfdist.launch.output`);
+- prefixes every output line with the task (`[worker:1] ...`) and renders
+  it (`tfdist.launch.output`): one progress display (the chief's, else worker
+  0's: a live bar on a terminal, plain lines elsewhere), TensorFlow's
+  start-up and INFO log lines hidden, line length capped;
 - ends the job by `tfdist.launch.policy`: the first failure stops the others
   (SIGTERM to each task's process group, SIGKILL after `grace_period`;
   TensorFlow catches SIGTERM); a parameter-server worker is restarted alone;
@@ -33,8 +35,10 @@ import threading
 import time
 from typing import IO, Mapping, Sequence
 
+from tfdist import chief as chief_lib
 from tfdist import cluster as cluster_lib
-from tfdist.launch import isolation, jobdir, output, policy, program
+from tfdist.launch import isolation, jobdir, policy, program
+from tfdist.launch import output as output_lib
 from tfdist.launch.policy import TIMEOUT_EXIT_CODE, LaunchResult, TaskExit
 
 _POLL_SECONDS = 0.05
@@ -56,7 +60,7 @@ class Task:
         self.task_type, self.task_id = task_type, task_id
         self.name = f"{task_type}:{task_id}"
         self.proc: subprocess.Popen | None = None
-        self.output = output.TaskOutput(self.name)
+        self.output = output_lib.TaskOutput(self.name)
         self.stopped = False
         self.restarts = 0
         self.reported = False  # its exit was handed to the policy
@@ -77,7 +81,7 @@ class Group:
 
     def __init__(self, argv: Sequence[str], cluster: cluster_lib.Cluster, *,
                  tasks: Sequence[tuple[str, int]] | None = None, env: Mapping[str, str],
-                 keeper: isolation.JobKeeper, relay: output.Relay, attempt: int):
+                 keeper: isolation.JobKeeper, relay: output_lib.Relay, attempt: int):
         self._argv = list(argv)
         self._cluster = cluster
         self._env = dict(env)
@@ -99,7 +103,7 @@ class Group:
         env[ATTEMPT_ENV] = str(self._attempt)
         if task.proc is not None:
             self._keeper.forget(task.proc.pid)
-        task.output = output.TaskOutput(task.name)
+        task.output = output_lib.TaskOutput(task.name)
         task.stopped = False
         task.reported = False
         try:
@@ -238,14 +242,25 @@ def check_file_limit(num_tasks: int) -> None:
             f"(ulimit -n {needed}) or launch fewer tasks.")
 
 
-def task_env(env: Mapping[str, str] | None, *, job_dir: str, startup_logs: bool) -> dict:
-    """The tasks' shared environment: ours (or `env`) without TF_CONFIG, plus the job's."""
+def task_env(env: Mapping[str, str] | None, *, job_dir: str, tf_logs: bool,
+             show: output_lib.Show = "main") -> dict:
+    """The tasks' shared environment: ours (or `env`) without TF_CONFIG, plus the job's.
+
+    Without `tf_logs`, TensorFlow's C++ INFO and WARNING logs are switched off
+    in the tasks (TF_CPP_MIN_LOG_LEVEL=2, unless `env` sets it), as
+    `tfdist.import_tensorflow` does; `show` is passed on as TFDIST_OUTPUT
+    (read by `tfdist.fit_verbose`).
+    """
     base = dict(os.environ if env is None else env)
     base.pop("TF_CONFIG", None)
     base["PYTHONUNBUFFERED"] = "1"
     base[jobdir.ENV_VAR] = job_dir
-    if startup_logs:
+    base[chief_lib.OUTPUT_ENV] = show
+    if tf_logs:
         base["TFDIST_VERBOSE"] = "1"
+    elif "TF_CPP_MIN_LOG_LEVEL" not in base:
+        base["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        base["TFDIST_QUIET_SET_LOG_LEVEL"] = "1"  # tfdist's choice, not the user's (tfdist._tf)
     return base
 
 
@@ -272,7 +287,8 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
            evaluator: bool = False, max_restarts: int = 0,
            max_worker_restarts: int | None = None, timeout: float | None = None,
            progress_timeout: float | None = None, grace_period: float = 5.0,
-           network: isolation.Network = "auto", startup_logs: bool = False,
+           network: isolation.Network = "auto", output: output_lib.Show = "main",
+           tf_logs: bool = False,
            env: Mapping[str, str] | None = None, cluster: cluster_lib.Cluster | None = None,
            stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
     """Runs `cmd` once per task of a local cluster and supervises the group.
@@ -299,7 +315,13 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
         servers are unreachable from outside the job), "host" (this machine's
         network: TensorFlow servers listen on every interface), or "auto"
         (private where the OS allows it, else host with a warning).
-      startup_logs: keep TensorFlow's C++ start-up lines in the tasks' output.
+      output: "main": one progress display (the chief's, else worker 0's; a
+        live bar when `stdout` is a terminal, plain lines without escape codes
+        otherwise), other tasks' progress hidden, TensorFlow's start-up and
+        INFO log lines hidden; warnings, errors and every other line shown.
+        "all": every line of every task, TensorFlow's logs included.
+      tf_logs: keep TensorFlow's logs (start-up lines, C++ and INFO log lines)
+        with output="main" (what `tfdist launch --verbosity=1` sets).
       env: the tasks' base environment (default: os.environ); TF_CONFIG is
         set per task.
       cluster: run on this cluster instead of fresh local ports (its ports must
@@ -341,19 +363,13 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
     num_tasks = (len(cluster.tasks()) if cluster is not None
                  else num_workers + num_ps + int(bool(chief)) + int(bool(evaluator)))
     check_file_limit(num_tasks)
+    output_lib.check_show(output)
     prog = program.resolve(cmd, env=env)
-    out = stdout or sys.stdout
-    err = stderr or sys.stderr
-    lock = threading.Lock()
+    console = output_lib.Console(out=stdout or sys.stdout, err=stderr or sys.stderr)
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def say(text: str) -> None:
-        with lock:
-            try:
-                err.write(f"{PREFIX} {text}\n")
-                err.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                pass
+        console.line("err", f"{PREFIX} {text}")
 
     keeper = isolation.JobKeeper(network=network)
     job_dir = relay = None
@@ -368,8 +384,10 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
         if prog.note:
             say(f"running {prog.note}")
         job_dir = jobdir.JobDir()
-        relay = output.Relay(out=out, err=err, lock=lock, startup_logs=startup_logs)
-        base_env = task_env(env, job_dir=job_dir.path, startup_logs=startup_logs)
+        has_chief = chief or (cluster is not None and bool(cluster.chief))
+        relay = output_lib.Relay(console=console, display=output_lib.Display(
+            main_task=output_lib.main_task(chief=has_chief), show=output, tf_logs=tf_logs))
+        base_env = task_env(env, job_dir=job_dir.path, tf_logs=tf_logs, show=output)
         with Signals() as signals:
             attempt = 0
             while True:
