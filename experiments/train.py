@@ -79,12 +79,14 @@ def check_inputs(*, learning_rate: float, logical_devices: int | None, model_dir
 
 def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_size: int,
         epochs: int, steps_per_epoch: int | None, learning_rate: float, seed: int,
-        model_dir: str | None = None, verbose: int | str = "auto",
+        model_dir: str | None = None, verbose: int | str | None = "auto",
         split_options=None, step_options=None) -> dict:
     """Trains and evaluates one configuration; returns the metrics summary.
 
     `verbose` is Keras's `fit` verbosity; with 0 the summary lines are not
-    printed either (a multi-worker job prints them once, from the chief).
+    printed either. None: `tfdist.fit_verbose()` once the strategy is made (the
+    `auto` preset may set TF_CONFIG from SLURM), so a multi-worker job prints
+    them once, from the chief.
     """
     from tfdist._tf import import_tensorflow
 
@@ -101,6 +103,7 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
     def say(text: str) -> None:
         if verbose != 0:
             print(text, flush=True)
+
     start = time.perf_counter()
     data = load_dataset(dataset_name, seed=seed)
     if global_batch_size > len(data.x_train):
@@ -109,6 +112,8 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
             f"examples of {dataset_name}): a bigger batch repeats examples within one step. "
             f"Received: global_batch_size={global_batch_size}. Use e.g. --global_batch_size=64.")
     strategy = tfdist.make_strategy(strategy_options)
+    if verbose is None:
+        verbose = tfdist.fit_verbose()
     step_options = step_options or tfdist.StepOptions()
     step_lib.check(step_options, strategy)
     replicas = strategy.num_replicas_in_sync
@@ -181,9 +186,6 @@ def main(argv):
     import tfdist
 
     try:
-        # Progress and summaries from the chief only (worker 0 without one): a bar
-        # on a terminal or under `tfdist launch`, one line per epoch into a file.
-        verbose = tfdist.fit_verbose()
         check_inputs(learning_rate=FLAGS.learning_rate, logical_devices=FLAGS.logical_devices,
                      model_dir=FLAGS.model_dir, metrics_out=FLAGS.metrics_out)
         if FLAGS.strategy != "multi_worker_mirrored":
@@ -194,13 +196,15 @@ def main(argv):
             model_name=FLAGS.model, dataset_name=FLAGS.dataset,
             global_batch_size=FLAGS.global_batch_size, epochs=FLAGS.epochs,
             steps_per_epoch=FLAGS.steps_per_epoch, learning_rate=FLAGS.learning_rate,
-            seed=FLAGS.seed, model_dir=FLAGS.model_dir, verbose=verbose,
+            # Progress and summaries from the chief only (worker 0 without one): a
+            # bar on a terminal or under `tfdist launch`, one line per epoch into a file.
+            seed=FLAGS.seed, model_dir=FLAGS.model_dir, verbose=None,
             split_options=tfdist_flags.split_options_from_flags(),
             step_options=tfdist_flags.step_options_from_flags())
     except (ValueError, RuntimeError, flags.ValidationError) as e:
         # Bad input: the message says what was received and how to fix it.
         raise SystemExit(f"error: {e}") from None
-    if verbose != 0:
+    if tfdist.fit_verbose() != 0:
         print(f"tfdist: held-out accuracy {metrics['test_accuracy']:.4f}, "
               f"{metrics['samples_per_sec']:.0f} samples/s, {metrics['wall_time_s']:.1f} s wall")
     if FLAGS.metrics_out:

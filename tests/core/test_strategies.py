@@ -95,3 +95,24 @@ def test_describe_shows_replicas_devices_and_per_replica_batch():
     assert "4 replica(s)" in text and "CPU:3" in text and "512 = 4 x 128 per replica" in text
     with pytest.raises(ValueError, match="global_batch_size=30"):
         tfdist.describe(tfdist.make_strategy("mirrored", num_devices=4), 30)
+
+
+def test_summaries_name_strategies_as_tf_distribute_exports_them():
+    import tensorflow as tf
+
+    from tfdist.strategies import strategy_name
+
+    assert tfdist.describe(tfdist.make_strategy("mirrored", num_devices=2)).startswith(
+        "MirroredStrategy: 2 replica(s) on ")
+    assert strategy_name(tfdist.make_strategy("one_device")) == "OneDeviceStrategy"
+    assert strategy_name(tfdist.make_strategy("default")) == "default strategy"
+    # Their classes' own names are what summaries used to print (the 2-worker summary itself
+    # is checked in tests/launch/test_output.py); instances made without their cluster.
+    mwms = tf.distribute.MultiWorkerMirroredStrategy
+    ps = tf.distribute.ParameterServerStrategy
+    assert (mwms.__name__, ps.__name__) == ("CollectiveAllReduceStrategy",
+                                            "ParameterServerStrategyV2")
+    assert strategy_name(object.__new__(mwms)) == "MultiWorkerMirroredStrategy"
+    assert strategy_name(object.__new__(
+        tf.distribute.experimental.MultiWorkerMirroredStrategy)) == "MultiWorkerMirroredStrategy"
+    assert strategy_name(object.__new__(ps)) == "ParameterServerStrategy"

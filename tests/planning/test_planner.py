@@ -289,6 +289,7 @@ def test_cli_json_cluster_and_exit_status_when_nothing_fits(tmp_path):
                                 "bandwidth": "100GB/s", "network_bandwidth": "25Gbps"}))
     result = _cli("--params=350M", f"--cluster={spec}", "--format=json")
     assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # quiet: `tfdist plan ... 2>&1 | jq` reads JSON
     data = json.loads(result.stdout)
     assert data["recommended"] == "multi_worker_mirrored"
     assert data["cluster"]["network"]["bandwidth"] == 25e9 / 8
@@ -301,6 +302,9 @@ def test_cli_reads_an_example_model():
     result = _cli("--model=mlp", "--input_shape=8,8,1", "--num_classes=10", "--devices=2",
                   "--device_memory=1GB", "--bandwidth=10GB/s", "--format=json")
     assert result.returncode == 0, result.stderr
+    # Quiet although the model imports keras: no TensorFlow start-up lines on stderr, so
+    # `tfdist plan --model=... --format=json 2>&1 | jq` reads JSON.
+    assert result.stderr == "", result.stderr
     data = json.loads(result.stdout)
     # build_mlp: 64 -> 256 -> 128 -> 10, weights and biases
     assert data["model"]["num_params"] == 64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
@@ -327,6 +331,7 @@ def test_cli_takes_the_users_own_models(tmp_path):
     short = _cli("--model=user_models:gpt", "--input_shape=token_ids:8", *hardware, env=env)
     long = _cli("--model=user_models:gpt", "--input_shape=16", *hardware, env=env)
     assert short.returncode == 0 and long.returncode == 0, short.stderr + long.stderr
+    assert short.stderr == "", short.stderr  # the user's module imports keras first
     f_short = json.loads(short.stdout)["model"]["forward_flops_per_example"]
     f_long = json.loads(long.stdout)["model"]["forward_flops_per_example"]
     assert 2.0 < f_long / f_short < 2.3  # 16 tokens: twice the position-wise work, more attention

@@ -8,6 +8,7 @@ ray-project/ray#47464); with the tfdist preset it trains:
     import ray
     from ray.train import ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
+    import tfdist
     from tfdist.integrations import ray as tfdist_ray
 
     def train_loop_per_worker(config):
@@ -15,7 +16,9 @@ ray-project/ray#47464); with the tfdist preset it trains:
         with strategy.scope():
             model = build_model()
             model.compile(optimizer="adam", loss="mse")
-        model.fit(dataset, epochs=3)
+        # Ray writes each worker's output to a log file: one plain line per
+        # epoch from worker 0, nothing from the others.
+        model.fit(dataset, epochs=3, verbose=tfdist.fit_verbose())
 
     scaling = ScalingConfig(num_workers=2)
     tfdist_ray.check_resources(scaling)   # a clear error instead of Ray waiting forever
