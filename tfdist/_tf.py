@@ -15,6 +15,7 @@ Start-up logs come back when the user sets TF_CPP_MIN_LOG_LEVEL themselves
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -71,7 +72,10 @@ def import_tensorflow():
         import keras
     """
     if "tensorflow" in sys.modules:
-        return sys.modules["tensorflow"]
+        tensorflow = sys.modules["tensorflow"]
+        if quiet_requested():
+            _quiet_python_logs(tensorflow, unless_set=True)
+        return tensorflow
     if not quiet_requested():
         import tensorflow
 
@@ -86,7 +90,21 @@ def import_tensorflow():
         # Probing physical devices prints the CUDA/cuInit lines; it does not
         # initialise the runtime, so logical devices can still be configured.
         tensorflow.config.list_physical_devices()
-    # TensorFlow's Python INFO lines ("Using MirroredStrategy with devices ...")
-    # repeat what tfdist prints; warnings and errors still show.
-    tensorflow.get_logger().setLevel("WARNING")
+    _quiet_python_logs(tensorflow)
     return tensorflow
+
+
+def _quiet_python_logs(tensorflow, *, unless_set: bool = False) -> None:
+    """TensorFlow's Python INFO lines off; warnings and errors still show.
+
+    Under absl (`app.run`: INFO by default) TensorFlow logs "Using MirroredStrategy
+    with devices ...", which tfdist's summary repeats, and "Collective all_reduce
+    tensors ..." at every traced step. `unless_set`: TensorFlow was imported by
+    someone else, so a level they chose for its logger stays.
+    """
+    get_logger = getattr(tensorflow, "get_logger", None)  # None while TensorFlow imports
+    if get_logger is None:
+        return
+    logger = get_logger()
+    if not unless_set or logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)

@@ -97,7 +97,10 @@ def test_peak_memory_measured_next_to_gpipe():
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(result.stdout[result.stdout.index("{"):])
     # GPipe keeps every micro-batch's activations until the backward starts; 1F1B keeps
-    # at most K = 2 (stage 0: 2, stage 1: 1), whatever M is. Allocator peaks, measured.
-    assert rows["gpipe"]["in_flight"] >= 6
+    # at most K = 2 (stage 0: 2, stage 1: 1), whatever M is. Allocator peaks, measured (the
+    # BFC allocator on every CPU). The unit, measured on the unsplit model, includes kernel
+    # temporaries that differ between oneDNN and Eigen kernels: GPipe reads 7.5 micro-batches
+    # with oneDNN, 6.3 without (TF_ENABLE_ONEDNN_OPTS=0, as on CPUs without AVX-512).
+    assert rows["gpipe"]["in_flight"] >= 5
     assert rows["1f1b"]["in_flight"] <= 2.5
     assert rows["1f1b"]["peak_bytes"] < rows["gpipe"]["peak_bytes"] / 2.5

@@ -505,8 +505,9 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
         say(f"coordinator listening on {address[0]}:{address[1]} for {nnodes} node(s)")
     keeper = isolation.JobKeeper(network="host")
     job_dir = jobdir.JobDir()
-    relay = output_lib.Relay(console=console, display=output_lib.Display(
-        main_task=output_lib.main_task(chief=bool(chief)), show=output, tf_logs=tf_logs))
+    display = output_lib.Display(main_task=output_lib.main_task(chief=bool(chief)),
+                                 show=output, tf_logs=tf_logs)
+    relay = output_lib.Relay(console=console, display=display)
     inbox: queue.Queue = queue.Queue()
     channel = None
     try:
@@ -515,7 +516,8 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
         sock = _connect(address, started + join_timeout, say)
         channel = Channel(sock, inbox, name="coordinator")
         host = node_address or sock.getsockname()[0]
-        base_env = supervisor.task_env(env, job_dir=job_dir.path, tf_logs=tf_logs, show=output)
+        base_env = supervisor.task_env(env, job_dir=job_dir.path,
+                                       tf_logs=display.keeps_tf_logs, show=output)
         with supervisor.Signals() as signals:
             return _node_loop(
                 channel, inbox, prog=prog, host=host, here=here, nnodes=nnodes,

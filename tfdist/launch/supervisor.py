@@ -385,9 +385,11 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
             say(f"running {prog.note}")
         job_dir = jobdir.JobDir()
         has_chief = chief or (cluster is not None and bool(cluster.chief))
-        relay = output_lib.Relay(console=console, display=output_lib.Display(
-            main_task=output_lib.main_task(chief=has_chief), show=output, tf_logs=tf_logs))
-        base_env = task_env(env, job_dir=job_dir.path, tf_logs=tf_logs, show=output)
+        display = output_lib.Display(main_task=output_lib.main_task(chief=has_chief),
+                                     show=output, tf_logs=tf_logs)
+        relay = output_lib.Relay(console=console, display=display)
+        base_env = task_env(env, job_dir=job_dir.path, tf_logs=display.keeps_tf_logs,
+                            show=output)
         with Signals() as signals:
             attempt = 0
             while True:
