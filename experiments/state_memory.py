@@ -1,4 +1,4 @@
-"""The cost model's state bytes against TensorFlow's allocator: `python -m experiments.state_memory`.
+"""The cost model's state bytes against the allocator: `python -m experiments.state_memory`.
 
 A model of large layers (4 x Dense(1024) and a Dense(16) head, 4.2M float32
 parameters) is built in this fresh process while TensorFlow's CPU allocator

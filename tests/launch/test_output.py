@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO
+from tests.support import REPO
 from tfdist import chief
 from tfdist.launch import launch, output
 
@@ -298,7 +298,7 @@ def test_readme_multi_worker_command_on_a_pipe(tmp_path):
 @pytest.mark.timeout(300)
 def test_users_script_on_a_terminal(tmp_path):
     """A tutorial-style script (TensorFlow imported first, default `fit` on every worker)."""
-    script = os.path.join(REPO, "tests", "launch", "_keras_fit.py")
+    script = os.path.join(REPO, "tests", "launch", "run_keras_fit.py")
     raw, shown = _launch_on_a_terminal(["--num_workers=2", "--timeout=250", "--", "python",
                                         script])
     screen = [line for line in _screen(raw, 160) if line]

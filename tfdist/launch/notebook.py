@@ -15,8 +15,9 @@ survive fork), and a multi-worker cluster needs one fresh process per task
 with its own TF_CONFIG. So the function's *source* is sent to new Python
 processes started by `tfdist.launch.launch` (a private loopback-only network
 where the OS allows it, output prefixed with each task's name, one progress
-bar drawn in the cell, failures stop the group). The function must therefore be self-contained: import what it
-uses inside its body, and take and return picklable values.
+bar drawn in the cell, failures stop the group). The function must therefore
+be self-contained: import what it uses inside its body, and take and return
+picklable values.
 
 The tasks import with the kernel's `sys.path` and its working directory (so
 `import models` works as in the notebook), except folders that other users

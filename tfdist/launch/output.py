@@ -126,7 +126,7 @@ def _visible_width(text: str) -> int:
 
 
 def _fit(text: str, width: int) -> str:
-    """`text` cut to `width` visible characters, its escape codes kept (colour reset after a cut)."""
+    """`text` cut to `width` visible characters, its escape codes kept (colours reset)."""
     if _visible_width(text) <= width:
         return text
     kept, seen, pos = [], 0, 0
@@ -200,7 +200,7 @@ class Console:
     def _width(self) -> int | None:
         try:
             return os.get_terminal_size(self._sinks["out"].fileno()).columns
-        except (AttributeError, ValueError, OSError):  # not a terminal (io.UnsupportedOperation too)
+        except (AttributeError, ValueError, OSError):  # not a terminal
             return None
 
     def _draw(self) -> None:

@@ -26,7 +26,7 @@ rng = np.random.default_rng(0)
 x = rng.standard_normal((96, 8)).astype("float32")
 y = x.sum(axis=1, keepdims=True)
 if task["index"] == 1:
-    warnings.warn("worker 1 warns about something")
+    warnings.warn("worker 1 warns about something", stacklevel=1)
 # Steps as slow as a real model's, so the bar is seen while it moves.
 slow = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: time.sleep(0.2))
 model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat(), epochs=2,
