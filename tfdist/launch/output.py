@@ -387,6 +387,10 @@ class Relay:
                     self._idle.notify_all()
 
     def _emit_long(self, task: TaskOutput, kind: str, line: bytes) -> None:
+        if len(line) > MAX_LINE:
+            line = bytearray(line)
+            _keep_latest_state(line)
+            line = bytes(line)
         while len(line) > MAX_LINE:
             self._emit(task, kind, line[:MAX_LINE], cut=True)
             line = line[MAX_LINE:]
