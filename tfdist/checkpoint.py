@@ -1,40 +1,45 @@
-"""Multi-worker-safe backup and exact resume for Keras 3 `model.fit`.
+"""Multi-worker-safe backup, exact resume (mid-epoch too), and SIGTERM as a save point.
 
 Keras 3's `keras.callbacks.BackupAndRestore` restores the epoch but not the
 position in the data, so a resumed run differs from an uninterrupted one
 (under tfdist's multi_worker_mirrored preset it at least writes once, from
 the chief: tfdist.compat.keras_files). This callback:
 
-- saves at the end of every epoch (or every `save_every_epochs`) every
-  variable reachable from the model and its optimizer, **keyed by its path
-  in the object graph** (`model/encoder/dense/_kernel`; an optimizer slot by
-  the path of the variable it belongs to:
-  `optimizer/slots/model/encoder/dense/_kernel/momentum`), and the position:
-  completed epochs and steps per epoch. Reordered variables of equal shape
-  restore to the right place; a backup of another model is refused;
+- saves at the end of every epoch (or every `save_every_epochs`), or every
+  `save_freq` steps, every variable reachable from the model and its
+  optimizer, **keyed by its path in the object graph**
+  (`model/encoder/dense/_kernel`; an optimizer slot by the path of the
+  variable it belongs to: `optimizer/slots/model/encoder/dense/_kernel/momentum`),
+  and the position: steps done and steps per epoch. Reordered variables of
+  equal shape restore to the right place; a backup of another model is refused;
 - reads the values on every worker (reading a sync-on-read variable is an
-  all-reduce, so all workers must take part) and writes on the chief only,
-  atomically (a temporary file, fsync, `os.replace`, then a small JSON
-  pointer written the same way), so a kill at any moment leaves the previous
-  complete backup;
+  all-reduce, so all workers must take part) into host memory, and writes
+  them on the chief only, off the training thread (`async_write`; the next
+  save or the end of `fit` waits for it), atomically (a temporary file,
+  fsync, `os.replace`, then a small JSON pointer written the same way), so a
+  kill at any moment leaves the previous complete backup;
 - restores the same backup on every worker when training starts (all tasks
   read the chief's files: one machine or a shared file system), after
   checking every file it reads: a damaged, missing or foreign backup is a
   `BackupError` naming the file and what to do, never a silent restart from
-  epoch 0 or a silent restore of wrong values (NaN/Inf included);
+  step 0 or a silent restore of wrong values (NaN/Inf included);
 - restores the data position: with `backup.dataset(ds)` the input pipeline
-  skips the batches already trained on. This is exact when every fresh
-  iterator of the dataset yields the same sequence (`repeat_shuffled`, or a
-  seeded shuffle with `reshuffle_each_iteration=False`) and `fit` gets
+  skips the batches already trained on, and a backup taken in the middle of
+  an epoch resumes in the middle of that epoch (the first epoch of the
+  resumed `fit` runs the steps that were left). This is exact when every
+  fresh iterator of the dataset yields the same sequence (`repeat_shuffled`,
+  or a seeded shuffle with `reshuffle_each_iteration=False`) and `fit` gets
   `steps_per_epoch`; `dataset()` warns once when the pipeline cannot resume
-  exactly, naming why.
+  exactly, naming why;
+- makes SIGTERM a save point (`tfdist.preemption`): the tasks agree on a
+  step boundary, save there, and exit with status 75.
 
-    backup = tfdist.BackupAndRestore("/shared/backup")
+    backup = tfdist.BackupAndRestore("/shared/backup", save_freq=200)
     train = backup.dataset(make_dataset())        # skips what was trained
-    model.fit(train, epochs=10, steps_per_epoch=100, callbacks=[backup])
+    model.fit(train, epochs=10, steps_per_epoch=1000, callbacks=[backup])
 
 Run under `tfdist launch --max_restarts=N`: a killed worker restarts the
-group and training continues from the last epoch that finished.
+group and training continues from the last backup.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ import json
 import os
 import re
 import stat
+import sys
 import tempfile
+import threading
 import warnings
 import zipfile
 import zlib
@@ -55,12 +62,18 @@ import numpy as np
 from tfdist import chief as chief_lib
 
 _STATE = "tfdist_backup.json"
-_FORMAT = 2
-_FILE = re.compile(r"backup-epoch(\d{6})\.npz")
+_FORMAT = 3
+_FILE = re.compile(r"backup-step(\d{12})\.npz")
+_OLD_FILE = re.compile(r"backup-epoch(\d{6})\.npz")  # format 2 (tfdist 0.2): epoch ends only
 _TMP = ".tmp-"
 _MANIFEST = "manifest"
 _MAX_POINTER_BYTES = 1 << 16
 _SLOTS = "slots"
+
+
+def backup_file_name(step: int) -> str:
+    """The name of the backup taken after `step` steps."""
+    return f"backup-step{step:012d}.npz"
 
 
 class BackupError(ValueError):
@@ -107,6 +120,7 @@ def _is_int(value: Any, minimum: int) -> bool:
 
 
 def _check_position(data: Any, path: str, backup_dir: str) -> dict[str, Any]:
+    """The pointer's position as {step, steps_per_epoch, file, format} (format 2 converted)."""
     if not isinstance(data, dict):
         raise _damaged(path, f"expected a JSON object, found {type(data).__name__}",
                        backup_dir)
@@ -115,22 +129,33 @@ def _check_position(data: Any, path: str, backup_dir: str) -> dict[str, Any]:
             f"tfdist.BackupAndRestore cannot resume from {path}: it was written by an older "
             f"tfdist that saved variables by position, which cannot be matched safely. "
             f"Delete {backup_dir} to start training from scratch.")
-    if data.get("format") != _FORMAT:
-        raise _damaged(path, f"format is {data.get('format')!r}; this tfdist reads format "
-                       f"{_FORMAT}", backup_dir)
-    for key, minimum in (("epoch", 1), ("steps_per_epoch", 1)):
+    if data.get("format") not in (2, _FORMAT):
+        raise _damaged(path, f"format is {data.get('format')!r}; this tfdist reads formats "
+                       f"2 and {_FORMAT}", backup_dir)
+    counter = "epoch" if data["format"] == 2 else "step"
+    for key, minimum in ((counter, 1), ("steps_per_epoch", 1)):
         if not _is_int(data.get(key), minimum):
             raise _damaged(path, f"{key!r} must be an integer >= {minimum}, found "
                            f"{data.get(key)!r}", backup_dir)
-    return data
+    if data["format"] == 2:
+        expected = f"backup-epoch{data['epoch']:06d}.npz"
+        step = data["epoch"] * data["steps_per_epoch"]
+    else:
+        expected = backup_file_name(data["step"])
+        step = data["step"]
+    if data.get("file") != expected:
+        raise _damaged(path, f"'file' must be {expected!r} (a file inside the folder), found "
+                       f"{data.get('file')!r}", backup_dir)
+    return {"format": data["format"], "step": step, "steps_per_epoch": data["steps_per_epoch"],
+            "file": expected, "num_replicas": data.get("num_replicas")}
 
 
 def read_state(backup_dir: str) -> dict[str, Any] | None:
-    """The last complete backup's position (keys: epoch, steps_per_epoch, file), or None.
+    """The last complete backup's position (keys: step, steps_per_epoch, file), or None.
 
     None means there is no backup: the folder does not exist or holds no
     tfdist backup file. A folder with backup files but no readable, valid
-    pointer is an error, so training never restarts from epoch 0 silently.
+    pointer is an error, so training never restarts from step 0 silently.
 
     Raises:
       BackupError: the backup is damaged (the message names the file).
@@ -149,10 +174,10 @@ def read_state(backup_dir: str) -> dict[str, Any] | None:
                           f"({e.strerror or e}). Give this task read access to it.") from None
     path = os.path.join(backup_dir, _STATE)
     if not os.path.lexists(path):
-        files = [n for n in names if _FILE.fullmatch(n)]
+        files = [n for n in names if _FILE.fullmatch(n) or _OLD_FILE.fullmatch(n)]
         if files:
             raise _damaged(path, f"the pointer file is missing but the folder holds "
-                           f"{files[-1]}; tfdist will not silently start over from epoch 0",
+                           f"{files[-1]}; tfdist will not silently start over from step 0",
                            backup_dir)
         return None
     _regular_file(path, backup_dir)
@@ -170,11 +195,7 @@ def read_state(backup_dir: str) -> dict[str, Any] | None:
         problem = "it is empty" if not raw.strip() else f"it is not valid JSON ({e})"
         raise _damaged(path, problem, backup_dir) from None
     state = _check_position(state, path, backup_dir)
-    expected = f"backup-epoch{state['epoch']:06d}.npz"
-    if state.get("file") != expected:
-        raise _damaged(path, f"'file' must be {expected!r} (a file inside the folder), found "
-                       f"{state.get('file')!r}", backup_dir)
-    _regular_file(os.path.join(backup_dir, expected), backup_dir)
+    _regular_file(os.path.join(backup_dir, state["file"]), backup_dir)
     return state
 
 
@@ -304,11 +325,22 @@ def _slot_key(name: str, model_paths: dict[str, str]) -> str | None:
 
 
 def _value(variable) -> np.ndarray:
-    return np.asarray(variable.numpy())
+    """The variable's value in host memory, owned by this array (so a later update or an
+    asynchronous write cannot see another value)."""
+    value = np.asarray(variable.numpy())
+    return value if value.flags.owndata else value.copy()
 
 
 def _non_finite(value: np.ndarray) -> bool:
     return value.dtype.kind in "fc" and not bool(np.isfinite(value).all())
+
+
+def _check_save_freq(save_freq) -> None:
+    if save_freq == "epoch":
+        return
+    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+        raise ValueError(f"save_freq must be 'epoch' or a number of steps >= 1. Received: "
+                         f"save_freq={save_freq!r}")
 
 
 # --- the callback ----------------------------------------------------------------
@@ -326,6 +358,39 @@ def _make_callback_base():
     return keras.callbacks.Callback
 
 
+class _Writer:
+    """Writes one backup at a time off the training thread; errors surface on the next call."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, write, *, wait: bool) -> None:
+        self.wait()
+        if wait:
+            write()
+            return
+
+        def run():
+            try:
+                write()
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._error = e
+
+        # Not a daemon: a process that ends normally finishes the write first.
+        self._thread = threading.Thread(target=run, name="tfdist-backup-writer")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Returns once the last write is on disk; raises what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 class BackupAndRestore(_make_callback_base()):
     """Backs up model + optimizer + data position on the chief; restores them on every worker.
 
@@ -333,45 +398,69 @@ class BackupAndRestore(_make_callback_base()):
       backup_dir: directory for the backup (created on the chief). Every task
         must see the same directory (one machine, or a shared file system).
         Use it for nothing else: the callback deletes its own files in it.
-      save_every_epochs: back up after every N-th epoch (and the last).
+      save_freq: "epoch" (back up after every `save_every_epochs`-th epoch),
+        or a number of steps N: back up after every N-th step, counted from
+        the start of training (mid-epoch backups resume mid-epoch). The end
+        of the last epoch is backed up either way.
+      save_every_epochs: with save_freq="epoch", back up after every N-th
+        epoch (and the last).
       delete_on_finish: remove the backup when `fit` completes, like Keras's
         BackupAndRestore (so the next run starts fresh).
+      async_write: write the file off the training thread (the values are
+        copied to host memory first, on the training thread); the next save
+        and the end of `fit` wait for it. False: write before training goes on.
+      preemption: make SIGTERM a save point while `fit` runs: the tasks agree
+        on a step, back up there and exit with status 75
+        (`tfdist.preemption.PREEMPTED_EXIT_CODE`).
 
     Attributes:
       initial_epoch: epochs completed by the backup found at construction.
-      initial_step: batches already trained (`initial_epoch * steps_per_epoch`).
+      initial_step: batches already trained (`initial_epoch * steps_per_epoch`
+        plus the steps of the epoch the backup was taken in).
 
     Raises:
       BackupError: at construction, when `backup_dir` holds a damaged backup.
     """
 
-    def __init__(self, backup_dir: str, *, save_every_epochs: int = 1,
-                 delete_on_finish: bool = True):
+    def __init__(self, backup_dir: str, *, save_freq: int | str = "epoch",
+                 save_every_epochs: int = 1, delete_on_finish: bool = True,
+                 async_write: bool = True, preemption: bool = True):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise ValueError(f"backup_dir must be a directory path. Received: "
                              f"backup_dir={backup_dir!r}")
+        _check_save_freq(save_freq)
         if isinstance(save_every_epochs, bool) or not isinstance(
                 save_every_epochs, int) or save_every_epochs < 1:
             raise ValueError(f"save_every_epochs must be an integer >= 1. Received: "
                              f"save_every_epochs={save_every_epochs!r}")
         self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
         self.save_every_epochs = save_every_epochs
         self.delete_on_finish = delete_on_finish
+        self.async_write = async_write
+        self.preemption = preemption
         self._state = read_state(self.backup_dir)
         self._dataset_skipped: int | None = None
-        self._last_saved: int | None = None
+        self._dataset = None
+        self._last_saved: int | None = None  # step of the last save handed to the writer
         self._is_chief = chief_lib.is_chief()
-
-    @property
-    def initial_epoch(self) -> int:
-        return 0 if self._state is None else int(self._state["epoch"])
+        self._writer = _Writer()
+        self._save_point = None
+        self._epoch = 0
+        self._batch_begin = 0
+        self._step = 0
+        self._check_first_batch: int | None = None
 
     @property
     def initial_step(self) -> int:
+        return 0 if self._state is None else int(self._state["step"])
+
+    @property
+    def initial_epoch(self) -> int:
         if self._state is None:
             return 0
-        return int(self._state["epoch"]) * int(self._state["steps_per_epoch"])
+        return int(self._state["step"]) // int(self._state["steps_per_epoch"])
 
     def dataset(self, dataset):
         """`dataset` minus the batches the backup already trained on.
@@ -402,8 +491,32 @@ class BackupAndRestore(_make_callback_base()):
 
     def on_train_begin(self, logs=None):
         steps = self.params.get("steps")
-        if self._state is None:
-            return
+        self._step = 0
+        self._last_saved = None
+        self._check_first_batch = None
+        if self._save_point is not None:
+            self._save_point.close()  # the last fit with this callback raised
+            self._save_point = None
+        if self.preemption:
+            # Before the restore: a SIGTERM while it runs is taken up at the first step.
+            from tfdist import preemption
+            from tfdist.compat import keras_files
+
+            strategy = self.model.distribute_strategy
+            self._save_point = preemption.SavePoint(
+                strategy, save=self._preemption_save,
+                multi_worker=keras_files.is_multi_worker(strategy))
+            self._save_point.begin()
+        if self._state is not None:
+            try:
+                self._resume(steps)
+            except BaseException:
+                if self._save_point is not None:
+                    self._save_point.close()
+                    self._save_point = None
+                raise
+
+    def _resume(self, steps) -> None:
         if self._dataset_skipped != self.initial_step:
             raise ValueError(
                 f"A backup in {self.backup_dir} resumes after {self.initial_step} batches, but "
@@ -416,16 +529,64 @@ class BackupAndRestore(_make_callback_base()):
                 f"{self._state['steps_per_epoch']}; this fit uses {steps}. Use the same "
                 f"steps_per_epoch to resume, or delete the backup directory.")
         self._restore()
-        from tfdist.compat import keras_files
+        from tfdist.compat import keras_files, keras_resume
 
         keras_files.set_initial_epoch(self.model, self.initial_epoch)
+        self._step = self.initial_step
+        self._last_saved = self.initial_step
+        in_epoch = self.initial_step % int(steps)
+        if in_epoch:
+            keras_resume.start_next_epoch_at(in_epoch, steps_per_execution=_steps_per_execution(
+                self.model), what=f"the backup in {self.backup_dir}")
+            self._check_first_batch = in_epoch
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        saved_on = self._state.get("num_replicas")
+        if saved_on and saved_on != replicas:
+            print(f"tfdist.BackupAndRestore: resuming at step {self.initial_step} on "
+                  f"{replicas} replica(s); the backup was made on {saved_on}. The global "
+                  f"batch stays what the dataset yields; each replica now takes 1/{replicas} "
+                  f"of it.", file=sys.stderr, flush=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = self.params.get("steps") or 0
+        if self._check_first_batch is not None:
+            expected, self._check_first_batch = self._check_first_batch, None
+            if self._batch_begin != expected:
+                raise BackupError(
+                    f"tfdist.BackupAndRestore: resuming from {self.backup_dir} in the middle "
+                    f"of epoch {self._epoch + 1}, fit should have started at batch {expected} "
+                    f"of it but started at batch {self._batch_begin}. Pass this callback "
+                    f"to fit together with the dataset from backup.dataset(ds).")
+        self._step = self._epoch * steps + batch + 1
+        stride = batch - self._batch_begin + 1
+        if (self.save_freq != "epoch"
+                and self._step // self.save_freq > (self._step - stride) // self.save_freq):
+            self._save(self._step)
+        if self._save_point is not None:
+            self._save_point.step_done(self._step, stride)
 
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
-        if done % self.save_every_epochs == 0 or done == self.params.get("epochs"):
-            self._save(done)
+        step = done * (self.params.get("steps") or 0)
+        last = done == self.params.get("epochs")
+        if self.save_freq == "epoch":
+            due = done % self.save_every_epochs == 0 or last
+        else:
+            due = last
+        if due and self._last_saved != step:
+            self._save(step)
 
     def on_train_end(self, logs=None):
+        if self._save_point is not None:
+            save_point, self._save_point = self._save_point, None
+            save_point.end(self._step)  # saves and exits if a SIGTERM came since the last step
+        self._wait_for_writer()
         if self.delete_on_finish and not self.model.stop_training:
             if self._is_chief:
                 self._remove_backup_files()
@@ -454,58 +615,131 @@ class BackupAndRestore(_make_callback_base()):
         for name in names:
             if name in keep:
                 continue
-            if _FILE.fullmatch(name) or name.startswith(_TMP) or name == _STATE:
+            if (_FILE.fullmatch(name) or _OLD_FILE.fullmatch(name) or name.startswith(_TMP)
+                    or name == _STATE):
                 try:
                     os.remove(os.path.join(self.backup_dir, name))
                 except OSError:
                     pass
 
-    def _save(self, epochs_done: int) -> None:
+    def _wait_for_writer(self) -> None:
+        try:
+            self._writer.wait()
+        except OSError as e:
+            raise BackupError(
+                f"tfdist.BackupAndRestore cannot write a backup to {self.backup_dir} "
+                f"({e.strerror or e}). Give the chief write access to it, free some space, "
+                f"or choose another backup_dir.") from None
+
+    def _describe(self, step: int) -> str:
+        steps = self.params.get("steps") or 1
+        epoch, in_epoch = divmod(step, steps)
+        where = (f"end of epoch {epoch}" if not in_epoch
+                 else f"step {in_epoch} of epoch {epoch + 1}")
+        return f"step {step} ({where})"
+
+    def _save(self, step: int, *, wait: bool = False) -> None:
+        """Backs up the state after `step` steps (every worker calls it)."""
         steps = self.params.get("steps")
         if not steps:
             raise ValueError(
                 "tfdist.BackupAndRestore needs fit(..., steps_per_epoch=N) to know the data "
                 "position. Received: steps_per_epoch=None.")
+        from tfdist.compat import ps_keras
+
+        strategy = self.model.distribute_strategy
+        if ps_keras.is_parameter_server_strategy(strategy):
+            # The coordinator schedules steps ahead: the backup holds every scheduled step.
+            from tfdist.ps import trainer
+
+            trainer.coordinator_for(strategy).join()
         # Every worker reads every value in the same order: a read may be a collective.
         values = [(key, _value(variable)) for key, variable in self._variables().items()]
+        self._last_saved = step
         if not self._is_chief:
             return
         bad = next((key for key, value in values if _non_finite(value)), None)
         if bad is not None:
-            kept = (f"the backup of epoch {self._last_epoch()} is kept" if self._last_epoch()
-                    else "no backup is kept")
+            self._wait_for_writer()
+            kept = self._kept()
+            kept = f"the backup of {kept} is kept" if kept else "no backup is kept"
             warnings.warn(
-                f"tfdist.BackupAndRestore: not backing up epoch {epochs_done}: variable {bad} "
-                f"holds NaN or Inf (training diverged); {kept}.", RuntimeWarning, stacklevel=2)
+                f"tfdist.BackupAndRestore: not backing up {self._describe(step)}: variable "
+                f"{bad} holds NaN or Inf (training diverged); {kept}.", RuntimeWarning,
+                stacklevel=2)
             return
-        name = f"backup-epoch{epochs_done:06d}.npz"
-        manifest = {"format": _FORMAT, "epoch": epochs_done, "steps_per_epoch": int(steps),
-                    "keys": [key for key, _ in values]}
+        name = backup_file_name(step)
+        position = {"format": _FORMAT, "step": step, "steps_per_epoch": int(steps)}
+        manifest = {**position, "keys": [key for key, _ in values]}
         arrays = {f"v{i:05d}": value for i, (_, value) in enumerate(values)}
         arrays[_MANIFEST] = np.array(json.dumps(manifest))
-        state = {"format": _FORMAT, "epoch": epochs_done, "steps_per_epoch": int(steps),
-                 "file": name}
-        try:
-            os.makedirs(self.backup_dir, exist_ok=True)
-            # Partial files of a killed save go; the complete backup stays until the
-            # pointer names the new one.
-            current = self._last_epoch()
-            self._remove_backup_files(
-                keep=(_STATE, f"backup-epoch{current:06d}.npz") if current else (_STATE,))
-            _atomic_write_bytes(os.path.join(self.backup_dir, name),
-                                lambda f: np.savez(f, **arrays))
-            _atomic_write_bytes(os.path.join(self.backup_dir, _STATE),
-                                lambda f: f.write(json.dumps(state).encode()))
-        except OSError as e:
-            raise BackupError(
-                f"tfdist.BackupAndRestore cannot write the backup of epoch {epochs_done} to "
-                f"{self.backup_dir} ({e.strerror or e}). Give the chief write access to it, "
-                f"free some space, or choose another backup_dir.") from None
-        self._remove_backup_files(keep=(_STATE, name))
-        self._last_saved = epochs_done
+        state = {**position, "file": name,
+                 "num_replicas": int(strategy.num_replicas_in_sync)}
+        describe = self._describe(step)
 
-    def _last_epoch(self) -> int:
-        return self._last_saved or self.initial_epoch
+        def write():
+            try:
+                os.makedirs(self.backup_dir, exist_ok=True)
+                # Partial files of a killed save go; the complete backup stays until the
+                # pointer names the new one.
+                current = self._on_disk()
+                self._remove_backup_files(keep=(_STATE,) + ((current,) if current else ()))
+                _atomic_write_bytes(os.path.join(self.backup_dir, name),
+                                    lambda f: np.savez(f, **arrays))
+                _atomic_write_bytes(os.path.join(self.backup_dir, _STATE),
+                                    lambda f: f.write(json.dumps(state).encode()))
+            except OSError as e:
+                raise BackupError(
+                    f"tfdist.BackupAndRestore cannot write the backup of {describe} to "
+                    f"{self.backup_dir} ({e.strerror or e}). Give the chief write access to "
+                    f"it, free some space, or choose another backup_dir.") from None
+            self._remove_backup_files(keep=(_STATE, name))
+
+        self._writer.submit(write, wait=wait or not self.async_write)
+
+    def _on_disk(self) -> str | None:
+        """The file the pointer names now, if any (read by the writer only)."""
+        try:
+            with open(os.path.join(self.backup_dir, _STATE)) as f:
+                name = json.load(f).get("file")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return name if isinstance(name, str) else None
+
+    def _kept(self) -> str | None:
+        name = self._on_disk()
+        match = _FILE.fullmatch(name or "")
+        if match:
+            return self._describe(int(match.group(1)))
+        match = _OLD_FILE.fullmatch(name or "")
+        return f"the end of epoch {int(match.group(1))}" if match else None
+
+    def _preemption_save(self, step: int) -> str:
+        """The save at the agreed preemption step: complete and on disk when this returns."""
+        if self._last_saved != step:
+            self._save(step, wait=True)
+        self._wait_for_writer()
+        from tfdist.compat import keras_files
+
+        strategy = self.model.distribute_strategy
+        if keras_files.is_multi_worker(strategy):
+            from tfdist._tf import import_tensorflow
+
+            tf = import_tensorflow()
+            try:
+                keras_files.barrier(strategy)  # the chief entered it with its file written
+            except tf.errors.OpError:
+                pass  # a peer that left the barrier first exited: the files say the rest
+            state = read_state(self.backup_dir)
+            if state is None or state["step"] != step:
+                raise BackupError(
+                    f"tfdist.BackupAndRestore: the tasks agreed to back up step {step} before "
+                    f"exiting on SIGTERM, but {self.backup_dir} holds "
+                    f"{'no backup' if state is None else 'step ' + str(state['step'])}: the "
+                    f"chief did not finish it (it died, or cannot write there). The next run "
+                    f"resumes from what is there.")
+        who = "" if self._is_chief else "by the chief "
+        return f"backup of {self._describe(step)} saved {who}in {self.backup_dir}"
 
     def _restore(self) -> None:
         optimizer = getattr(self.model, "optimizer", None)
@@ -545,6 +779,10 @@ class BackupAndRestore(_make_callback_base()):
 
     def _read_values(self, path: str) -> dict[str, np.ndarray]:
         _regular_file(path, self.backup_dir)
+        old = self._state["format"] == 2
+        expected = ({"epoch": self._state["step"] // self._state["steps_per_epoch"]} if old
+                    else {"step": self._state["step"]})
+        expected["steps_per_epoch"] = self._state["steps_per_epoch"]
         try:
             with np.load(path, allow_pickle=False) as data:
                 if not isinstance(data, np.lib.npyio.NpzFile):
@@ -554,11 +792,11 @@ class BackupAndRestore(_make_callback_base()):
                 if (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
                         or len(set(keys)) != len(keys)):
                     raise ValueError("its manifest has no list of distinct variable keys")
-                for field in ("epoch", "steps_per_epoch"):
-                    if manifest.get(field) != self._state[field]:
+                for field, value in expected.items():
+                    if manifest.get(field) != value:
                         raise ValueError(
                             f"it holds {field}={manifest.get(field)!r} but the pointer "
-                            f"{_STATE} says {self._state[field]!r}")
+                            f"{_STATE} says {value!r}")
                 values = {key: data[f"v{i:05d}"] for i, key in enumerate(keys)}
         except BackupError:
             raise
@@ -567,6 +805,14 @@ class BackupAndRestore(_make_callback_base()):
             raise _damaged(path, f"it is damaged ({type(e).__name__}: {_one_line(e)})",
                            self.backup_dir) from None
         return values
+
+
+def _steps_per_execution(model) -> int:
+    value = getattr(model, "steps_per_execution", 1)
+    try:
+        return max(1, int(value))
+    except (TypeError, ValueError):
+        return 1
 
 
 def _dtype_name(variable) -> str:
@@ -584,5 +830,5 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-__all__ = ["BackupAndRestore", "BackupError", "read_state", "repeat_shuffled",
+__all__ = ["BackupAndRestore", "BackupError", "backup_file_name", "read_state", "repeat_shuffled",
            "tracked_variables"]

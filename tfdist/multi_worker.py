@@ -247,4 +247,9 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
     logger.info("tfdist: %s joined the cluster in %.1f s",
                 "local" if config is None else f"{config.task_type}:{config.task_id}",
                 time.monotonic() - start)
+    from tfdist import preemption
+
+    # TensorFlow's coordination agent installed a C++ SIGTERM handler that only records
+    # the signal; outside a fit with a backup, SIGTERM ends the process again.
+    preemption.default_sigterm()
     return strategy

@@ -217,7 +217,7 @@ def installs(preset: "str | config_lib.PresetOptions" = "mirrored", **options: A
     Example:
       >>> [f.name for f in tfdist.installs("mirrored", shard="gradients").features]
       ['optimizer_update', 'keras_build', 'batch_norm', 'keras_multi_step', 'loss_scale',
-       'sharding']
+       'keras_backup', 'sharding']
 
     For "auto" this asks TensorFlow for the GPU count (see `choose_preset`).
     """
@@ -359,6 +359,12 @@ def _loss_scale(strategy, options, state) -> None:
     loss_scale.install()
 
 
+def _keras_backup(strategy, options, state) -> None:
+    from tfdist.compat import keras_backup
+
+    keras_backup.install_or_warn()
+
+
 def _comm(strategy, options, state) -> None:
     from tfdist import comm
 
@@ -386,6 +392,10 @@ COMMON_FEATURES: tuple[Feature, ...] = (
             when="always", fixes=("keras_multi_step",), attach=_keras_multi_step),
     Feature("loss_scale", "mixed_float16: a step is skipped when any replica overflows",
             when="always", fixes=("loss_scale",), attach=_loss_scale),
+    # Last: under multi_worker_mirrored it wraps keras_files's BackupAndRestore fixes, so
+    # every worker (not only the chief, whose calls keras_files passes through) saves.
+    Feature("keras_backup", "keras.callbacks.BackupAndRestore: SIGTERM is a save point, "
+            "mid-epoch resume", when="always", fixes=("keras_backup",), attach=_keras_backup),
 )
 
 # The synchronous data-parallel presets' options (mirrored, multi_worker_mirrored).

@@ -74,7 +74,7 @@ def _pointer(folder):
 
 
 def _npz(folder):
-    names = sorted(n for n in os.listdir(folder) if n.startswith("backup-epoch"))
+    names = sorted(n for n in os.listdir(folder) if n.startswith("backup-"))
     return os.path.join(folder, names[-1])
 
 
@@ -250,6 +250,33 @@ def _chmod_pointer(folder):
     os.chmod(_pointer(folder), 0)
 
 
+def _renamed_to_step(step):
+    """Pointer and file name say `step`; the archive's manifest says what was saved."""
+    def damage(folder):
+        with open(_pointer(folder)) as f:
+            state = json.load(f)
+        name = f"backup-step{step:012d}.npz"
+        os.replace(_npz(folder), os.path.join(folder, name))
+        with open(_pointer(folder), "w") as f:
+            json.dump({**state, "step": step, "file": name}, f)
+    return damage
+
+
+def _as_format_2(folder):
+    """The same backup as tfdist 0.2 wrote it: named by epoch, positions in epochs."""
+    arrays = _arrays(folder)
+    manifest = json.loads(str(arrays["manifest"][()]))
+    epoch = manifest.pop("step") // manifest["steps_per_epoch"]
+    arrays["manifest"] = np.array(json.dumps({**manifest, "format": 2, "epoch": epoch}))
+    os.remove(_npz(folder))
+    name = f"backup-epoch{epoch:06d}.npz"
+    with open(os.path.join(folder, name), "wb") as f:
+        np.savez(f, **arrays)
+    with open(_pointer(folder), "w") as f:
+        json.dump({"format": 2, "epoch": epoch, "steps_per_epoch": manifest["steps_per_epoch"],
+                   "file": name}, f)
+
+
 # name -> (damage, the outcome the fixed code must give)
 CASES = {
     "pointer deleted": (_remove(_pointer), "clean"),
@@ -257,14 +284,15 @@ CASES = {
     "pointer truncated": (_truncate(_pointer, 0.5), "clean"),
     "pointer garbage bytes": (_garbage(_pointer), "clean"),
     "pointer is a JSON list": (_write_pointer(b"[1, 2]"), "clean"),
-    "pointer without epoch": (_edit_pointer(lambda s: {k: v for k, v in s.items()
-                                                       if k != "epoch"}), "clean"),
-    "pointer epoch is a string": (_edit_pointer(lambda s: {**s, "epoch": "2"}), "clean"),
-    "pointer epoch negative": (_edit_pointer(lambda s: {**s, "epoch": -1}), "clean"),
-    "pointer epoch NaN": (_edit_pointer(
-        lambda s: json.dumps(s).replace(f'"epoch": {s["epoch"]}', '"epoch": NaN')), "clean"),
-    "pointer epoch 10**30": (_edit_pointer(lambda s: {**s, "epoch": 10**30}), "clean"),
-    "pointer epoch edited (2 -> 1)": (_edit_pointer(lambda s: {**s, "epoch": 1}), "clean"),
+    "pointer without step": (_edit_pointer(lambda s: {k: v for k, v in s.items()
+                                                      if k != "step"}), "clean"),
+    "pointer step is a string": (_edit_pointer(lambda s: {**s, "step": "4"}), "clean"),
+    "pointer step negative": (_edit_pointer(lambda s: {**s, "step": -1}), "clean"),
+    "pointer step NaN": (_edit_pointer(
+        lambda s: json.dumps(s).replace(f'"step": {s["step"]}', '"step": NaN')), "clean"),
+    "pointer step 10**30": (_edit_pointer(lambda s: {**s, "step": 10**30}), "clean"),
+    "pointer step edited (4 -> 2)": (_edit_pointer(lambda s: {**s, "step": 2}), "clean"),
+    "pointer and file renamed to step 2": (_renamed_to_step(2), "clean"),
     "pointer steps_per_epoch 0": (_edit_pointer(lambda s: {**s, "steps_per_epoch": 0}),
                                   "clean"),
     "pointer format 99": (_edit_pointer(lambda s: {**s, "format": 99}), "clean"),
@@ -288,6 +316,7 @@ CASES = {
     "backup from another model": (_another_model, "clean"),
     "backup_dir is a file": (_folder_is_a_file, "clean"),
     "only a killed save's partial file": (_only_partial_files, "fresh"),
+    "an epoch backup in the previous format (2)": (_as_format_2, "ok"),
     "pointer unreadable (chmod 000)": (_chmod_pointer, "clean"),
 }
 

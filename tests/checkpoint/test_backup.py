@@ -181,12 +181,13 @@ def test_a_diverged_epoch_is_not_backed_up(tmp_path):
                 self.model.a.kernel.assign(np.full((3, 4), np.nan, "float32"))
 
     backup = tfdist.BackupAndRestore(str(tmp_path), delete_on_finish=False)
-    with pytest.warns(RuntimeWarning, match=r"not backing up epoch 2: variable model/a/_kernel "
-                                            r"holds NaN or Inf .*the backup of epoch 1 is kept"):
+    with pytest.warns(RuntimeWarning, match=r"not backing up step 4 \(end of epoch 2\): variable "
+                                            r"model/a/_kernel holds NaN or Inf .*the backup of "
+                                            r"step 2 \(end of epoch 1\) is kept"):
         model.fit(backup.dataset(_data()), epochs=2, steps_per_epoch=2,
                   callbacks=[Diverge(), backup], verbose=0, shuffle=False)
-    assert json.loads((tmp_path / "tfdist_backup.json").read_text())["epoch"] == 1
-    assert sorted(os.listdir(tmp_path)) == ["backup-epoch000001.npz", "tfdist_backup.json"]
+    assert json.loads((tmp_path / "tfdist_backup.json").read_text())["step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["backup-step000000000002.npz", "tfdist_backup.json"]
 
 
 def test_an_unwritable_backup_dir_is_a_clear_error(tmp_path):
@@ -196,7 +197,8 @@ def test_an_unwritable_backup_dir_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("x")
     model = _two_branch("ab")
     backup = tfdist.BackupAndRestore(str(tmp_path / "file" / "backup"))
-    with pytest.raises(BackupError, match=r"cannot write the backup of epoch 1 to .*file/backup"):
+    with pytest.raises(BackupError, match=r"cannot write the backup of step 2 \(end of epoch "
+                                          r"1\) to .*file/backup"):
         model.fit(backup.dataset(_data()), epochs=1, steps_per_epoch=2, callbacks=[backup],
                   verbose=0, shuffle=False)
 
@@ -223,7 +225,7 @@ def test_a_save_that_dies_half_way_keeps_the_previous_backup(tmp_path, monkeypat
         pass
 
     def dies_in_epoch_2(path, write):
-        if path.endswith("backup-epoch000002.npz"):
+        if path.endswith("backup-step000000000004.npz"):
             def half(f):
                 f.write(b"PK\x03\x04 half")
                 raise Killed()
@@ -236,7 +238,7 @@ def test_a_save_that_dies_half_way_keeps_the_previous_backup(tmp_path, monkeypat
     with pytest.raises(Killed):
         model.fit(backup.dataset(_data()), epochs=3, steps_per_epoch=2, callbacks=[backup],
                   verbose=0, shuffle=False)
-    assert sorted(os.listdir(tmp_path)) == ["backup-epoch000001.npz", "tfdist_backup.json"]
+    assert sorted(os.listdir(tmp_path)) == ["backup-step000000000002.npz", "tfdist_backup.json"]
     assert tfdist.BackupAndRestore(str(tmp_path)).initial_epoch == 1
 
 

@@ -100,9 +100,37 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
     out["loop/metric"] = np.asarray(metric.result())
     _state("loop", model, optimizer, out)
 
+    # 3. Keras's own BackupAndRestore, saving mid-epoch, interrupted and resumed (stock Keras
+    # restarts the interrupted epoch; tfdist's fixes for it apply to tfdist's strategies only).
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="untouched-backup-")
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 5:
+                raise RuntimeError("interrupted")
+
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.5), "mse")
+    try:
+        model.fit([ids, x], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(folder, save_freq=2),
+                             Interrupt()])
+    except RuntimeError:
+        pass
+    with open(os.path.join(folder, "training_metadata.json")) as f:
+        out["backup/metadata"] = np.asarray(f.read())
+    model = _model()
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.5)
+    model.compile(optimizer, "mse")
+    model.fit([ids, x], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(folder, save_freq=2)])
+    _state("backup", model, optimizer, out)
+
     if not user_mirrored:
         return
-    # 3. the user's own MirroredStrategy, made after tfdist's.
+    # 4. the user's own MirroredStrategy, made after tfdist's.
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     out["user_mirrored/key_base"] = np.asarray(strategy.extended._collective_key_base)
     out["user_mirrored/class_key_base"] = np.asarray(

@@ -2,6 +2,10 @@
 
     python tests/engines/run_slurm_training.py --out DIR [--preset auto] [--slurm_port P]
         [--tf_config_from_slurm --chief --num_ps N] [--backup DIR --kill_at_step N]
+        [--progress FILE --step_delay S]
+
+`--progress FILE`: rank 0 appends "step SLURM_JOB_ID" after every step (the
+preemption test signals the job with scancel once it is far enough).
 
 Each task writes DIR/rank<R>.npy (its final weights), DIR/rank<R>.json (its
 TF_CONFIG and what it saw) where R is SLURM_PROCID (or 'single' outside SLURM).
@@ -14,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 N, FEATURES, GLOBAL_BATCH, EPOCHS, STEPS = 128, 8, 16, 3, 4
 
@@ -61,6 +66,8 @@ def main() -> int:
     parser.add_argument("--backup", default=None)
     parser.add_argument("--kill_at_step", type=int, default=0,
                         help="SLURM rank 1 SIGKILLs itself after this global step, once")
+    parser.add_argument("--progress", default=None)
+    parser.add_argument("--step_delay", type=float, default=0.0)
     args = parser.parse_args()
 
     import tfdist
@@ -93,6 +100,16 @@ def main() -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
 
         callbacks.append(KillSelf())
+    if args.progress:
+        class Progress(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if rank == "0":
+                    step = int(self.model.optimizer.iterations.numpy())
+                    with open(args.progress, "a") as f:
+                        f.write(f"{step} {os.environ.get('SLURM_JOB_ID')}\n")
+                time.sleep(args.step_delay)
+
+        callbacks.append(Progress())
     backup = tfdist.BackupAndRestore(args.backup) if args.backup else None
     if backup is not None:
         report["initial_epoch"] = backup.initial_epoch

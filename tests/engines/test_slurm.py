@@ -196,3 +196,46 @@ def test_killed_task_ends_srun_and_the_restart_resumes_from_the_backup(slurm, un
                                    rtol=0, atol=1e-6)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def test_scancel_sigterm_is_a_save_point_and_the_same_srun_resumes(slurm, uninterrupted):
+    """What SLURM does when it preempts a job (or its time limit is near, with --signal):
+    SIGTERM to every task. They agree on a step, save, exit 75; srun again resumes there."""
+    import time
+
+    from tfdist.checkpoint import read_state
+
+    reports, _ = uninterrupted
+    out = tempfile.mkdtemp(prefix="tfdist-slurm-term-")
+    port = _free_base(2)
+    progress = os.path.join(out, "progress")
+    args = ["-N", "2", "-n", "2", sys.executable, SCRIPT, "--out", out, "--slurm_port",
+            str(port), "--backup", os.path.join(out, "backup"), "--progress", progress,
+            "--step_delay", "0.3"]
+    try:
+        first = subprocess.Popen(["srun", *args], env=_env(slurm), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=REPO)
+        deadline = time.monotonic() + TIMEOUT
+        lines = []
+        while len(lines) < 5 or int(lines[-1].split()[0]) < 5:  # mid-way through epoch 2 of 3
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+            lines = (open(progress).read().split("\n")[:-1] if os.path.exists(progress)
+                     else [])
+        at_sigterm, job = int(lines[-1].split()[0]), lines[-1].split()[1]
+        subprocess.run(["scancel", "--signal=TERM", job], env=_env(slurm), check=True,
+                       timeout=30)
+        _, stderr = first.communicate(timeout=TIMEOUT)
+        state = read_state(os.path.join(out, "backup"))
+        assert state is not None, stderr[-3000:]
+        assert at_sigterm <= state["step"] <= at_sigterm + 10, (at_sigterm, state)
+        assert f"tfdist: preempted at step {state['step']}" in stderr, stderr[-3000:]
+        assert first.returncode == 75, stderr[-3000:]
+        second = _srun(slurm, *args[:-4])
+        assert second.returncode == 0, second.stderr[-3000:]
+        resumed = _reports(out, ("0", "1"))
+        np.testing.assert_array_equal(resumed["0"]["weights"], resumed["1"]["weights"])
+        np.testing.assert_allclose(resumed["0"]["weights"], reports["0"]["weights"],
+                                   rtol=0, atol=1e-6)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)

@@ -172,3 +172,44 @@ def test_two_nodes_partition_is_a_clear_error_then_resume_is_exact(lab, tmp_path
     w0, w1 = np.load(tmp_path / "worker0.npy"), np.load(tmp_path / "worker1.npy")
     np.testing.assert_array_equal(w0, w1)
     np.testing.assert_allclose(w0, reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_a_node_gone_for_good_leaves_one_worker_that_resumes_exactly(lab, tmp_path):
+    """`--min_workers=1`: node 1 dies for good in the middle of training (its launcher
+    SIGKILLed, its task with it); after --node_timeout node 0 restarts alone, with the
+    same global batch, from the last backup (ZeRO-1 state saved by 2 workers, restored on
+    one), and ends equal to one replica."""
+    import time
+
+    from tests.checkpoint import test_preemption as preemption
+
+    want = preemption.reference(tmp_path)
+    program = os.path.join(REPO, "tests", "checkpoint", "preempt_program.py")
+    procs = []
+    for rank, holder in enumerate((lab.node0, lab.node1)):
+        cmd = lab.enter(holder) + [
+            PY, "-m", "tfdist.launch", "--nnodes=2", f"--node_rank={rank}",
+            f"--coordinator={COORDINATOR}", "--num_workers=1", "--node_timeout=10",
+            "--grace_period=5", "--timeout=400", "--join_timeout=60", "--max_restarts=2",
+            "--min_workers=1", "--", "python", program, "--out", str(tmp_path), "--backup_dir",
+            str(tmp_path / "backup"), "--shard", "optimizer", "--save_freq", "5", "--epochs",
+            "5", "--step_delay", "0.05", "--progress", str(tmp_path / "progress")]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        deadline = time.monotonic() + 300
+        while preemption.progress(tmp_path) < 17:  # mid-epoch 3, after the backup of step 15
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        procs[1].kill()  # node 1 is gone: its launcher, and with it its task
+        (rc0, out0), = _wait(procs[:1], timeout=400)
+    finally:
+        _wait(procs, timeout=5)
+    assert rc0 == 0, out0[-4000:]
+    assert "node(s) 1 did not rejoin within 10 s (--node_timeout) after attempt 1: continuing " \
+           "with 1 worker(s) on node(s) 0 (--min_workers=1)" in out0, out0[-4000:]
+    assert "resuming at step 15 on 1 replica(s); the backup was made on 2" in out0
+    w = np.load(tmp_path / "worker0.npy")
+    np.testing.assert_allclose(w, want, rtol=0, atol=1e-6)

@@ -92,7 +92,7 @@ def _kill_during_save(epoch: int) -> None:
     from tfdist import checkpoint
 
     original = checkpoint._atomic_write_bytes
-    target = f"backup-epoch{epoch:06d}.npz"
+    target = checkpoint.backup_file_name(epoch * STEPS)
 
     def write_half_then_die(path, write):
         if not path.endswith(target):

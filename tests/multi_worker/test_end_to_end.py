@@ -92,7 +92,7 @@ def test_kills_mid_epoch_and_during_a_save_resume_exactly(tmp_path, reference):
     assert result.attempts == 3
     assert f"[worker:1] killing myself at step {kill_at}" in out
     assert "worker:1 was killed by SIGKILL; stopped the other tasks" in err
-    assert "[worker:0] killing myself while saving backup-epoch000002.npz" in out
+    assert "[worker:0] killing myself while saving backup-step000000000016.npz" in out
     assert "worker:0 was killed by SIGKILL; stopped the other tasks" in err
     assert out.count("[worker:0] resuming at epoch 1") == 2
     assert out.count("[worker:1] resuming at epoch 1") == 2

@@ -29,10 +29,13 @@ machines (--nnodes): the servers must be reachable, so **the machines must sit
 on a trusted network**: firewall the tasks' ports (printed at start) and the
 coordinator's port from everything else.
 
-Exit status: 0 when the job succeeded; else the first failing task's exit
-status (128+N if killed by signal N), 124 for --timeout or a task silent past
---progress_timeout, 128+N if the launcher got signal N, 2 for bad flags. With
---num_ps the job's result is the chief's, and a failed worker is restarted alone.
+Exit status: 0 when the job succeeded; 75 when it was preempted (the tasks
+got SIGTERM, saved a backup and exited 75: run the same command to resume;
+docs/preemption.md); else the first failing task's exit status (128+N if
+killed by signal N), 124 for --timeout or a task silent past
+--progress_timeout, 128+N if the launcher got signal N and the tasks saved
+nothing, 2 for bad flags. With --num_ps the job's result is the chief's, and a
+failed worker is restarted alone.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ flags.DEFINE_bool("evaluator", False, "Add an evaluator task (one machine only).
 flags.DEFINE_integer("max_restarts", 0,
                      "Restart the whole group on fresh ports up to this many times after a "
                      "failure (training resumes from tfdist.BackupAndRestore).")
+flags.DEFINE_integer("min_workers", None,
+                     "Elastic restarts (needs --max_restarts): a worker that failed "
+                     "2 attempts in a row (with --nnodes: a node that did not rejoin within "
+                     "--node_timeout after a restart) is left out and the group restarts with "
+                     "fewer workers, never below this many. The script keeps its global batch "
+                     "and resumes from its backup. Default: always --num_workers.")
 flags.DEFINE_integer("max_worker_restarts", None,
                      "Parameter-server jobs: restart a failed worker alone, on the same address, "
                      "up to this many times (default 3); then the job goes on without it.")
@@ -67,7 +76,9 @@ flags.DEFINE_enum("output", "main", ["main", "all"],
                   "terminal, plain lines on a pipe), other tasks' progress hidden, TensorFlow's "
                   "start-up and INFO log lines hidden (--verbosity=1 shows them); warnings, "
                   "errors and every other line shown. 'all': everything from every task.")
-flags.DEFINE_float("grace_period", 5.0, "Seconds between SIGTERM and SIGKILL when stopping tasks.")
+flags.DEFINE_float("grace_period", 5.0, "Seconds between SIGTERM and SIGKILL when stopping tasks "
+                   "(a fit with a backup callback saves and exits within it; the tasks see it "
+                   "as TFDIST_GRACE_PERIOD).")
 flags.DEFINE_enum("network", "auto", list(isolation.NETWORKS),
                   "One machine: 'private' runs the tasks in a loopback-only network namespace "
                   "(their servers unreachable from outside the job; no internet either: download "
@@ -107,6 +118,7 @@ def main(argv: list[str]) -> int:
                       "train.py [ARGS]")
     multi = FLAGS.nnodes != 1 or FLAGS["coordinator"].present
     common = dict(num_ps=FLAGS.num_ps, chief=FLAGS.chief, max_restarts=FLAGS.max_restarts,
+                  min_workers=FLAGS.min_workers,
                   max_worker_restarts=FLAGS.max_worker_restarts, timeout=FLAGS.timeout,
                   progress_timeout=FLAGS.progress_timeout, grace_period=FLAGS.grace_period,
                   output=FLAGS.output, tf_logs=FLAGS.verbosity >= 1)

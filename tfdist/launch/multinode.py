@@ -15,7 +15,11 @@ whole cluster and reports their exits. The coordinator applies the same
 policy as the local launcher (`tfdist.launch.policy`) to the exits of every
 node: the first failure stops the tasks of all nodes with a message naming
 the task and its node, `--max_restarts` restarts all nodes on fresh ports,
-and a parameter-server worker is restarted alone on its node.
+and a parameter-server worker is restarted alone on its node. With
+`--min_workers`, a node that does not rejoin within `node_timeout` after a
+restart is gone for good: the next attempt runs on the nodes that did, if
+they hold at least `min_workers` workers (elastic restart). Node 0 runs the
+coordinator, so it must survive.
 
 Every wait is bounded: `join_timeout` for all nodes to join (the message names
 the missing node ranks); `node_timeout` without any message from a node or
@@ -42,6 +46,7 @@ import time
 from typing import IO, Mapping, Sequence
 
 from tfdist import cluster as cluster_lib
+from tfdist import preemption
 from tfdist.launch import isolation, jobdir, policy, program, supervisor
 from tfdist.launch import output as output_lib
 from tfdist.launch.policy import TIMEOUT_EXIT_CODE, LaunchResult
@@ -142,8 +147,10 @@ class Coordinator:
 
     def __init__(self, address: tuple[str, int], *, nnodes: int, max_restarts: int,
                  max_worker_restarts: int, join_timeout: float, node_timeout: float,
-                 grace_period: float):
+                 grace_period: float, min_workers: int | None = None):
         self.nnodes = nnodes
+        self.min_workers = min_workers
+        self.left_out: set[int] = set()  # nodes gone for good (elastic restarts)
         self.max_restarts = max_restarts
         self.max_worker_restarts = max_worker_restarts
         self.join_timeout = join_timeout
@@ -222,8 +229,27 @@ class Coordinator:
     def _round(self, attempt: int, nodes: dict[int, Channel], joins: dict[int, dict]):
         """One attempt. Returns (End, restart?) or None when nobody is left to tell."""
         deadline = time.monotonic() + self.join_timeout
+        # Elastic restarts: after a failure, a node that does not rejoin within node_timeout
+        # is gone for good, if the others hold enough workers.
+        rejoin_by = (time.monotonic() + self.node_timeout
+                     if attempt > 1 and self.min_workers is not None else None)
         joins.clear()
-        while len(joins) < self.nnodes:
+        while len(joins) < self.nnodes - len(self.left_out):
+            if rejoin_by is not None and time.monotonic() > rejoin_by:
+                missing = sorted(set(range(self.nnodes)) - set(joins) - self.left_out)
+                workers = sum(_workers_in(join) for join in joins.values())
+                if 0 in joins and workers >= self.min_workers:
+                    self.left_out.update(missing)
+                    self._broadcast(nodes, op="note", message=(
+                        f"node(s) {', '.join(map(str, missing))} did not rejoin within "
+                        f"{self.node_timeout:g} s (--node_timeout) after attempt {attempt - 1}: "
+                        f"continuing with {workers} worker(s) on node(s) "
+                        f"{', '.join(map(str, sorted(joins)))} (--min_workers="
+                        f"{self.min_workers}). The script keeps its global batch: each worker "
+                        f"takes 1/{workers} of it (a global batch that no longer divides is an "
+                        f"error in the script), and training resumes from its last backup."))
+                    break
+                rejoin_by = None  # too few workers: wait for the rest until join_timeout
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.nnodes)) - set(joins))
@@ -245,6 +271,13 @@ class Coordinator:
                         joins.pop(rank, None)
                 continue
             if message.get("op") != "join":
+                continue
+            if message.get("node_rank") in self.left_out:
+                channel.send(op="end", attempt=attempt, returncode=2, restart=False,
+                             failed_task=None, message=(
+                                 f"the job went on without node {message.get('node_rank')} "
+                                 f"(it did not rejoin in time after a failure); it cannot "
+                                 f"join this job again"))
                 continue
             problem = self._check_join(message, nodes, channel)
             if problem:
@@ -351,8 +384,12 @@ class Coordinator:
             rank = next((r for r, ch in nodes.items() if ch is channel), None)
             if rank is None:
                 if message is not None and message.get("op") == "join":
+                    late = message.get("node_rank") in self.left_out
                     channel.send(op="end", attempt=attempt, returncode=2, restart=False,
-                                 failed_task=None, message="the job is already running")
+                                 failed_task=None, message=(
+                                     f"the job went on without node {message.get('node_rank')} "
+                                     f"(it did not rejoin in time after a failure)" if late
+                                     else "the job is already running"))
                 continue
             if message is None:
                 del nodes[rank]
@@ -366,8 +403,10 @@ class Coordinator:
                 task, code = message.get("task"), message.get("returncode")
                 if task not in owners or not isinstance(code, int):
                     continue
+                step = message.get("preempted_step")
                 decision = rules.on_exit(task, code, str(message.get("hint", "")),
-                                         lost_peer=bool(message.get("lost_peer")))
+                                         lost_peer=bool(message.get("lost_peer")),
+                                         preempted_step=step if isinstance(step, int) else None)
                 if isinstance(decision, policy.End):
                     where = f" (node {owners[task]})"
                     return policy.End(decision.returncode,
@@ -386,6 +425,12 @@ class Coordinator:
                 return policy.End(int(message.get("returncode", 1)),
                                   f"node {rank}'s launcher {message.get('reason')}: stopped "
                                   f"every node's tasks.", f"node {rank}")
+
+
+def _workers_in(join: Mapping) -> int:
+    """Training tasks (chief and workers) a node's join declares."""
+    ports = join.get("ports", {})
+    return len(ports.get("chief", [])) + len(ports.get("worker", []))
 
 
 # --- one node --------------------------------------------------------------------------------
@@ -418,6 +463,7 @@ def _connect(address: tuple[str, int], deadline: float, say) -> socket.socket:
 def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator: str,
                 num_workers: int = 1, num_ps: int = 0, chief: bool = False,
                 node_address: str | None = None, max_restarts: int = 0,
+                min_workers: int | None = None,
                 max_worker_restarts: int | None = None, timeout: float | None = None,
                 progress_timeout: float | None = None, grace_period: float = 5.0,
                 join_timeout: float = 300.0, node_timeout: float = 30.0,
@@ -437,6 +483,9 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
       node_address: the address other nodes reach this node's tasks at
         (default: this node's address on its connection to the coordinator).
       max_restarts: restart every node's tasks on fresh ports up to this often.
+      min_workers: node 0 (the coordinator): elastic restarts. A node that
+        does not rejoin within `node_timeout` after a restart is left out if
+        the nodes that did hold at least this many chief/worker tasks.
       max_worker_restarts: parameter-server jobs: restarts of one failed worker
         alone (default 3).
       timeout: seconds for the whole job on this node; then 124.
@@ -467,6 +516,13 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
     supervisor.check_count("num_workers", num_workers, 0)
     supervisor.check_count("num_ps", num_ps, 0)
     supervisor.check_count("max_restarts", max_restarts, 0)
+    if min_workers is not None:
+        supervisor.check_count("min_workers", min_workers, 1)
+        if num_ps:
+            raise ValueError(
+                f"min_workers shrinks a synchronous (multi_worker_mirrored) job; a "
+                f"parameter-server job already goes on without a lost worker. Received: "
+                f"min_workers={min_workers} with num_ps={num_ps}. Drop --min_workers.")
     if max_worker_restarts is not None:
         supervisor.check_count("max_worker_restarts", max_worker_restarts, 0)
     for name, value in (("timeout", timeout), ("progress_timeout", progress_timeout)):
@@ -500,7 +556,8 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
             address, nnodes=nnodes, max_restarts=max_restarts,
             max_worker_restarts=(policy.DEFAULT_WORKER_RESTARTS if max_worker_restarts is None
                                  else max_worker_restarts),
-            join_timeout=join_timeout, node_timeout=node_timeout, grace_period=grace_period)
+            join_timeout=join_timeout, node_timeout=node_timeout, grace_period=grace_period,
+            min_workers=min_workers)
         server.start()
         say(f"coordinator listening on {address[0]}:{address[1]} for {nnodes} node(s)")
     keeper = isolation.JobKeeper(network="host")
@@ -517,7 +574,8 @@ def launch_node(cmd: Sequence[str], *, nnodes: int, node_rank: int, coordinator:
         channel = Channel(sock, inbox, name="coordinator")
         host = node_address or sock.getsockname()[0]
         base_env = supervisor.task_env(env, job_dir=job_dir.path,
-                                       tf_logs=display.keeps_tf_logs, show=output)
+                                       tf_logs=display.keeps_tf_logs, show=output,
+                                       grace_period=grace_period)
         with supervisor.Signals() as signals:
             return _node_loop(
                 channel, inbox, prog=prog, host=host, here=here, nnodes=nnodes,
@@ -575,6 +633,16 @@ def _node_loop(channel: Channel, inbox: queue.Queue, *, prog, host, here, nnodes
                                 grace_period=grace_period, node_timeout=node_timeout, say=say)
         group.stop(grace_period=grace_period)
         channel.send(op="stopped", attempt=attempt)
+        if end.get("signal"):
+            # This launcher got the signal: its tasks saved (75) or were stopped.
+            end = dict(end, **_signal_end(end["signal"], group))
+        elif not end.get("restart") and int(end.get("returncode", 0)) - 128 in (
+                signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            # Another node's launcher got the signal; this node's tasks may have saved.
+            saved = policy.signal_end(int(end["returncode"]) - 128, group.preempted_steps())
+            if saved.returncode == preemption.PREEMPTED_EXIT_CODE:
+                end = dict(end, returncode=saved.returncode,
+                           message=f"{end.get('message', '')} This node: {saved.message}")
         say(end.get("message", ""))
         result = LaunchResult(returncode=int(end.get("returncode", 1)), attempts=attempt,
                               failed_task=end.get("failed_task"), message=end.get("message", ""),
@@ -582,6 +650,13 @@ def _node_loop(channel: Channel, inbox: queue.Queue, *, prog, host, here, nnodes
         if not end.get("restart"):
             return result
         say("restarting this node's tasks on fresh ports")
+
+
+def _signal_end(signum: int, group: supervisor.Group) -> dict:
+    """This node's result when its launcher got `signum` and stopped its tasks."""
+    end = policy.signal_end(signum, group.preempted_steps())
+    return {"returncode": end.returncode, "restart": False,
+            "message": end.message.replace("every task", "this node's tasks")}
 
 
 def _wait_for(inbox: queue.Queue, ops: Sequence[str], until: float, signals) -> dict | None:
@@ -613,7 +688,7 @@ def _run_node_attempt(channel: Channel, inbox: queue.Queue, group: supervisor.Gr
             name = signal.Signals(signals.received).name
             channel.send(op="signal", attempt=attempt, reason=f"got {name}",
                          returncode=128 + signals.received)
-            return {"returncode": 128 + signals.received,
+            return {"returncode": 128 + signals.received, "signal": signals.received,
                     "message": f"got {name}: stopped this node's tasks"}
         if deadline is not None and now > deadline:
             channel.send(op="signal", attempt=attempt, reason="timed out (--timeout)",
@@ -624,11 +699,13 @@ def _run_node_attempt(channel: Channel, inbox: queue.Queue, group: supervisor.Gr
             code = task.proc.returncode
             tail = group.tail(task) if code else []
             hint = policy.hint(code, tail)
+            step = preemption.preempted_step(tail)
             channel.send(op="exit", attempt=attempt, task=task.name, returncode=code, hint=hint,
-                         lost_peer=policy.lost_peer(tail))
+                         lost_peer=policy.lost_peer(tail), preempted_step=step)
             if code and local_failure is None:
                 local_failure = {"returncode": policy.exit_code(code), "failed_task": task.name,
-                                 "message": f"{task.name} {policy.describe_exit(code)}.{hint}"}
+                                 "message": f"{task.name} "
+                                            f"{policy.describe_exit(code, step)}.{hint}"}
         if progress_timeout is not None:
             silent = group.silent(progress_timeout, lambda name: name not in silent_sent)
             if silent is not None:

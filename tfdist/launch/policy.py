@@ -3,6 +3,12 @@
 The same policy serves the local supervisor and the multi-node coordinator,
 which sees the exits of every node's tasks.
 
+- **Preemption**: a task that exits 75 (`tfdist.preemption.PREEMPTED_EXIT_CODE`)
+  saved a backup after a SIGTERM and asks to be run again. Its peers are
+  saving at the same step and exit 75 too: the launcher waits for them
+  (`grace_period` at most) and ends the attempt with 75 and "preempted at
+  step S", not as a failure; `max_restarts` restarts it. When the launcher
+  itself got the signal (`signal_end`), it never restarts.
 - **No parameter servers** (MultiWorkerMirrored): the job succeeds when every
   task exits 0. The first non-zero exit fails it and the others are stopped.
   A task that exits 0 while its peers still train breaks their next
@@ -25,6 +31,7 @@ import signal
 from typing import Iterable, Sequence
 
 from tfdist import cluster as cluster_lib
+from tfdist.preemption import PREEMPTED_EXIT_CODE
 
 TIMEOUT_EXIT_CODE = 124  # like coreutils `timeout`
 DEFAULT_WORKER_RESTARTS = 3
@@ -48,7 +55,9 @@ class LaunchResult:
     Attributes:
       returncode: 0 on success; else the first failing task's exit code
         (128+N for a task killed by signal N), 124 on timeout or a silent
-        task, 128+N when the launcher got signal N.
+        task, 75 when the tasks saved a backup after a SIGTERM (preempted:
+        run again to resume), 128+N when the launcher got signal N and the
+        tasks saved nothing.
       attempts: how many times the group was started (1 + restarts used).
       failed_task: the task that failed the last attempt, if any.
       message: one line saying what happened.
@@ -74,7 +83,11 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int, preempted_step: int | None = None) -> str:
+    if returncode == PREEMPTED_EXIT_CODE:
+        at = f" at step {preempted_step}" if preempted_step is not None else ""
+        return (f"was preempted{at} (it got SIGTERM, saved a backup and exited "
+                f"{PREEMPTED_EXIT_CODE})")
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -162,13 +175,31 @@ class JobPolicy:
         self.running = set(self.tasks)
         self.restarts = {t: 0 for t in self.tasks}
         self._left_early: str | None = None
+        self.preempted: dict[str, int | None] = {}  # task -> the step its backup holds
+
+    def _preempted_end(self, note: str = "") -> End:
+        steps = sorted({s for s in self.preempted.values() if s is not None})
+        at = f" at step {steps[0]}" if len(steps) == 1 else (
+            f" at steps {', '.join(map(str, steps))}" if steps else "")
+        return End(PREEMPTED_EXIT_CODE,
+                   f"preempted{at}, backup saved: {', '.join(sorted(self.preempted))} got "
+                   f"SIGTERM or followed a peer that did, saved and exited "
+                   f"{PREEMPTED_EXIT_CODE}{note}. Run the same command again to resume "
+                   f"from step {steps[0] if len(steps) == 1 else 'S'}.",
+                   None, restartable=True)
+
+    def on_preemption_timeout(self, seconds: float) -> End:
+        """Some tasks exited 75 but others still run `seconds` later (they get stopped)."""
+        still = ", ".join(sorted(self.running))
+        return self._preempted_end(f"; {still} still ran {seconds:g} s later (--grace_period) "
+                                   f"and was stopped")
 
     def watched(self, task: str) -> bool:
         """Tasks that must keep making progress (servers may be silent forever)."""
         return not self.has_ps or _role(task) in ("chief", "evaluator")
 
     def on_exit(self, task: str, returncode: int, tail_hint: str = "",
-                lost_peer: bool = False) -> Decision:
+                lost_peer: bool = False, preempted_step: int | None = None) -> Decision:
         """Decides what a task's exit means.
 
         Args:
@@ -176,13 +207,21 @@ class JobPolicy:
           returncode: Popen's returncode (<0: killed by that signal).
           tail_hint: `hint()` of its last lines.
           lost_peer: its last lines show a lost peer (UnavailableError & co).
+          preempted_step: the step of its `tfdist: preempted at step S` line.
         """
         self.running.discard(task)
         role = _role(task)
-        what = f"{task} {describe_exit(returncode)}"
+        what = f"{task} {describe_exit(returncode, preempted_step)}"
+        if returncode == PREEMPTED_EXIT_CODE:
+            self.preempted[task] = preempted_step
         if not self.has_ps:
+            if returncode == PREEMPTED_EXIT_CODE:
+                # Its peers save at the same step and exit 75 too: wait for them.
+                return self._preempted_end() if not self.running else None
             if returncode == 0:
                 if not self.running:
+                    if self.preempted:
+                        return self._preempted_end()
                     return End(0, f"all {len(self.tasks)} tasks exited 0")
                 if self._left_early is None and role in ("chief", "worker"):
                     self._left_early = task
@@ -200,6 +239,8 @@ class JobPolicy:
         if role == "chief":
             if returncode == 0:
                 return End(0, f"{task} exited 0: the job succeeded (ps/worker servers stopped)")
+            if returncode == PREEMPTED_EXIT_CODE:
+                return self._preempted_end("; stopped the ps and worker servers")
             return End(exit_code(returncode), f"{what}; stopped the other tasks.{tail_hint}",
                        task, restartable=True)
         if role == "ps":
@@ -234,3 +275,26 @@ class JobPolicy:
         return End(TIMEOUT_EXIT_CODE,
                    f"{task} wrote nothing for {seconds:g} s (--progress_timeout): it looks hung; "
                    f"stopped every task.", task, restartable=True)
+
+
+def signal_end(signum: int, exits: Sequence[tuple[str, int | None, int | None]]) -> End:
+    """How an attempt ends when the launcher itself got signal `signum` and stopped the tasks.
+
+    Args:
+      signum: the signal (SIGTERM, SIGINT, SIGHUP).
+      exits: (task, returncode, preempted step) of every task, after the stop.
+
+    Tasks that exited 75 saved a backup: the result is 75 ("preempted at step
+    S, backup saved"), else 128+signum. Never restartable: the signal was for
+    the launcher (the cluster is taking the machine away).
+    """
+    name = signal.Signals(signum).name
+    saved = {task: step for task, code, step in exits if code == PREEMPTED_EXIT_CODE}
+    if not saved:
+        return End(128 + signum, f"got {name}: stopped every task")
+    steps = sorted({s for s in saved.values() if s is not None})
+    at = f" at step {steps[0]}" if len(steps) == 1 else ""
+    return End(PREEMPTED_EXIT_CODE,
+               f"got {name}: preempted{at}, backup saved ({', '.join(sorted(saved))} saved and "
+               f"exited {PREEMPTED_EXIT_CODE}); not restarting, since the signal was for this "
+               f"launcher. Run the same command again to resume.")

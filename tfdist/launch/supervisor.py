@@ -15,9 +15,16 @@ What it does, like torchrun / horovodrun for TensorFlow:
   0's: a live bar on a terminal, plain lines elsewhere), TensorFlow's
   start-up and INFO log lines hidden, line length capped;
 - ends the job by `tfdist.launch.policy`: the first failure stops the others
-  (SIGTERM to each task's process group, SIGKILL after `grace_period`;
-  TensorFlow catches SIGTERM); a parameter-server worker is restarted alone;
+  (SIGTERM to each task's process group, SIGKILL after `grace_period`; in a
+  parameter-server job the chief first, so it can save while the servers
+  still hold the variables); a parameter-server worker is restarted alone;
+- preemption: SIGTERM makes tasks that run `fit` with a backup callback save
+  and exit 75 (`tfdist.preemption`); the launcher reports "preempted at step
+  S, backup saved" and exits 75, and restarts only for a SIGTERM it did not
+  receive itself;
 - `max_restarts`: after a failure, restarts the whole group on fresh ports;
+  `min_workers`: a worker that failed `DROP_AFTER_FAILURES` attempts in a row
+  is left out of the next one (never below `min_workers`);
 - no orphans: SIGINT/SIGTERM/SIGHUP to the launcher stop every task, and the
   job keeper kills what is left if the launcher itself is SIGKILLed.
 """
@@ -37,6 +44,7 @@ from typing import IO, Mapping, Sequence
 
 from tfdist import chief as chief_lib
 from tfdist import cluster as cluster_lib
+from tfdist import preemption
 from tfdist.launch import isolation, jobdir, policy, program
 from tfdist.launch import output as output_lib
 from tfdist.launch.policy import TIMEOUT_EXIT_CODE, LaunchResult, TaskExit
@@ -44,6 +52,9 @@ from tfdist.launch.policy import TIMEOUT_EXIT_CODE, LaunchResult, TaskExit
 _POLL_SECONDS = 0.05
 PREFIX = "[tfdist launch]"
 ATTEMPT_ENV = "TFDIST_LAUNCH_ATTEMPT"
+GRACE_ENV = preemption.GRACE_ENV  # seconds between SIGTERM and SIGKILL, for the tasks
+# A worker that failed this many attempts in a row is left out (with min_workers).
+DROP_AFTER_FAILURES = 2
 # File descriptors the launcher holds per task (two pipes) and for itself.
 _FDS_PER_TASK = 3
 _FDS_RESERVED = 64
@@ -142,17 +153,26 @@ class Group:
         return None
 
     def stop(self, *, grace_period: float) -> None:
-        """SIGTERM every live task's process group, then SIGKILL after the grace period."""
-        live = [t for t in self.tasks if t.proc is not None and t.proc.poll() is None]
-        for t in live:
-            t.stopped = True
-            _killpg(t.proc.pid, signal.SIGTERM)
+        """SIGTERM every live task's process group, then SIGKILL after the grace period.
+
+        With parameter servers the chief goes first: it saves a backup on SIGTERM
+        (reading the variables from the ps), so the servers get SIGTERM once it
+        has exited, within the same grace period.
+        """
         deadline = time.monotonic() + grace_period
-        for t in live:
-            try:
-                t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        live = [t for t in self.tasks if t.proc is not None and t.proc.poll() is None]
+        has_ps = any(t.task_type == "ps" for t in self.tasks)
+        waves = ([[t for t in live if t.task_type == "chief"],
+                  [t for t in live if t.task_type != "chief"]] if has_ps else [live])
+        for wave in waves:
+            for t in wave:
+                t.stopped = True
+                _killpg(t.proc.pid, signal.SIGTERM)
+            for t in wave:
+                try:
+                    t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         started = [t for t in self.tasks if t.proc is not None]
         for t in started:
             # Also ends what a finished task left in its process group.
@@ -163,6 +183,18 @@ class Group:
         for t in started:
             self._keeper.forget(t.proc.pid)
             self._relay.wait_closed(t.output, timeout=5)
+
+    def preempted_steps(self) -> list[tuple[str, int | None, int | None]]:
+        """(task, returncode, step of its `preempted at step S` line) for every task."""
+        found = []
+        for t in self.tasks:
+            if t.proc is None:
+                continue
+            code = t.proc.returncode
+            step = (preemption.preempted_step(self.tail(t))
+                    if code == preemption.PREEMPTED_EXIT_CODE else None)
+            found.append((t.name, code, step))
+        return found
 
     def exits(self) -> tuple[TaskExit, ...]:
         return tuple(TaskExit(t.name, t.proc.pid, t.proc.returncode, t.stopped, t.restarts)
@@ -211,6 +243,61 @@ class Signals:
             signal.signal(sig, handler)
 
 
+class Elastic:
+    """How many workers the next attempt runs (min_workers: leave out one that keeps failing).
+
+    Args:
+      workers: the workers the job starts with.
+      min_workers: the fewest it may shrink to (None: never shrink).
+    """
+
+    def __init__(self, workers: int, min_workers: int | None):
+        self.workers = workers
+        self.min_workers = min_workers
+        self._streak: tuple[str | None, int] = (None, 0)
+
+    def after(self, end: policy.End) -> str | None:
+        """Records an attempt's end; returns what to say if the next attempt shrinks."""
+        failed = end.failed_task
+        if end.returncode == preemption.PREEMPTED_EXIT_CODE or not failed or not (
+                failed.startswith("worker:")):
+            self._streak = (None, 0)
+            return None
+        task, count = self._streak
+        self._streak = (failed, count + 1 if task == failed else 1)
+        if (self.min_workers is None or self._streak[1] < DROP_AFTER_FAILURES
+                or self.workers <= self.min_workers):
+            return None
+        before, self.workers = self.workers, self.workers - 1
+        self._streak = (None, 0)
+        return (f"{failed} failed {DROP_AFTER_FAILURES} attempts in a row: restarting with "
+                f"{self.workers} worker(s) instead of {before} (--min_workers="
+                f"{self.min_workers}). The script keeps its global batch: each worker now "
+                f"takes 1/{self.workers} of it instead of 1/{before} (a global batch that no "
+                f"longer divides is an error in the script), and training resumes from its "
+                f"last backup.")
+
+
+def check_min_workers(min_workers, num_workers: int, *, num_ps: int = 0,
+                      cluster: cluster_lib.Cluster | None = None) -> None:
+    """Raises ValueError unless `min_workers` is None or 1 <= min_workers <= num_workers."""
+    if min_workers is None:
+        return
+    check_count("min_workers", min_workers, 1)
+    if min_workers > num_workers:
+        raise ValueError(f"min_workers must be <= num_workers. Received: min_workers="
+                         f"{min_workers}, num_workers={num_workers}. The job starts with "
+                         f"num_workers and may shrink to min_workers.")
+    if num_ps or (cluster is not None and cluster.ps):
+        raise ValueError(
+            f"min_workers shrinks a synchronous (multi_worker_mirrored) job; a parameter-server "
+            f"job already goes on without a worker that keeps failing. Received: min_workers="
+            f"{min_workers} with num_ps={num_ps or len(cluster.ps)}. Drop --min_workers.")
+    if cluster is not None:
+        raise ValueError("min_workers needs a cluster the launcher makes (fresh local ports); "
+                         "it cannot shrink a given cluster. Drop cluster= or min_workers.")
+
+
 def check_count(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}. Received: {name}={value!r}")
@@ -243,19 +330,22 @@ def check_file_limit(num_tasks: int) -> None:
 
 
 def task_env(env: Mapping[str, str] | None, *, job_dir: str, tf_logs: bool,
-             show: output_lib.Show = "main") -> dict:
+             show: output_lib.Show = "main", grace_period: float | None = None) -> dict:
     """The tasks' shared environment: ours (or `env`) without TF_CONFIG, plus the job's.
 
     Without `tf_logs`, TensorFlow's C++ INFO and WARNING logs are switched off
     in the tasks (TF_CPP_MIN_LOG_LEVEL=2, unless `env` sets it), as
     `tfdist.import_tensorflow` does; `show` is passed on as TFDIST_OUTPUT
-    (read by `tfdist.fit_verbose`).
+    (read by `tfdist.fit_verbose`), `grace_period` as TFDIST_GRACE_PERIOD (read
+    by `tfdist.preemption`).
     """
     base = dict(os.environ if env is None else env)
     base.pop("TF_CONFIG", None)
     base["PYTHONUNBUFFERED"] = "1"
     base[jobdir.ENV_VAR] = job_dir
     base[chief_lib.OUTPUT_ENV] = show
+    if grace_period is not None:
+        base[GRACE_ENV] = f"{grace_period:g}"
     if tf_logs:
         base["TFDIST_VERBOSE"] = "1"
     elif "TF_CPP_MIN_LOG_LEVEL" not in base:
@@ -284,7 +374,7 @@ def _check_private_cluster(cluster: cluster_lib.Cluster) -> None:
 
 
 def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool = False,
-           evaluator: bool = False, max_restarts: int = 0,
+           evaluator: bool = False, max_restarts: int = 0, min_workers: int | None = None,
            max_worker_restarts: int | None = None, timeout: float | None = None,
            progress_timeout: float | None = None, grace_period: float = 5.0,
            network: isolation.Network = "auto", output: output_lib.Show = "main",
@@ -301,7 +391,13 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
       chief: add a 'chief' task (the coordinator for ParameterServerStrategy).
       evaluator: add an 'evaluator' task.
       max_restarts: restart the whole group on fresh ports up to this many
-        times after a failure.
+        times after a failure (a preemption the launcher did not receive
+        itself counts as one).
+      min_workers: elastic restarts: a worker that failed
+        `DROP_AFTER_FAILURES` attempts in a row is left out of the next
+        attempt, which runs with one worker fewer (never below this). The
+        training script keeps its global batch (each worker's share grows)
+        and resumes from its backup. None: always `num_workers`.
       max_worker_restarts: with parameter servers, restart a failed worker
         alone up to this many times (default 3); not for jobs without ps.
       timeout: seconds for the whole job (all attempts); then every task is
@@ -345,6 +441,7 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
     check_count("num_workers", num_workers, 1)
     check_count("num_ps", num_ps, 0)
     check_count("max_restarts", max_restarts, 0)
+    check_min_workers(min_workers, num_workers, num_ps=num_ps, cluster=cluster)
     if max_worker_restarts is not None:
         check_count("max_worker_restarts", max_worker_restarts, 0)
         if not num_ps and not (cluster is not None and cluster.ps):
@@ -389,14 +486,15 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
                                      show=output, tf_logs=tf_logs)
         relay = output_lib.Relay(console=console, display=display)
         base_env = task_env(env, job_dir=job_dir.path, tf_logs=display.keeps_tf_logs,
-                            show=output)
+                            show=output, grace_period=grace_period)
+        elastic = Elastic(num_workers, min_workers)
         with Signals() as signals:
             attempt = 0
             while True:
                 attempt += 1
                 if cluster is None:
                     this_cluster = cluster_lib.local_cluster(
-                        num_workers=num_workers, num_ps=num_ps, chief=chief,
+                        num_workers=elastic.workers, num_ps=num_ps, chief=chief,
                         evaluator=evaluator)
                 else:
                     if not keeper.private:
@@ -421,6 +519,9 @@ def launch(cmd: Sequence[str], *, num_workers: int, num_ps: int = 0, chief: bool
                     if end.returncode and end.restartable and max_restarts:
                         say(f"giving up after {attempt} attempts (--max_restarts={max_restarts})")
                     return result
+                shrink = elastic.after(end)
+                if shrink:
+                    say(shrink)
                 say(f"restarting the group with fresh ports (restart {attempt} of "
                     f"{max_restarts})")
     finally:
@@ -435,11 +536,12 @@ def _supervise(group: Group, rules: policy.JobPolicy, *, keeper: isolation.JobKe
                signals: Signals, deadline: float | None, progress_timeout: float | None,
                grace_period: float, say) -> policy.End:
     """Runs one attempt to its end; the group is stopped when this returns."""
+    preempted_since = None
     while True:
         if signals.received is not None:
-            name = signal.Signals(signals.received).name
+            # The tasks get SIGTERM: those in a fit with a backup save and exit 75.
             group.stop(grace_period=grace_period)
-            return policy.End(128 + signals.received, f"got {name}: stopped every task")
+            return policy.signal_end(signals.received, group.preempted_steps())
         if deadline is not None and time.monotonic() > deadline:
             group.stop(grace_period=grace_period)
             return policy.End(TIMEOUT_EXIT_CODE, "timed out (--timeout): stopped every task")
@@ -451,7 +553,10 @@ def _supervise(group: Group, rules: policy.JobPolicy, *, keeper: isolation.JobKe
             code = task.proc.returncode
             tail = group.tail(task) if code else []
             decision = rules.on_exit(task.name, code, policy.hint(code, tail),
-                                     lost_peer=policy.lost_peer(tail))
+                                     lost_peer=policy.lost_peer(tail),
+                                     preempted_step=preemption.preempted_step(tail))
+            if code == preemption.PREEMPTED_EXIT_CODE and preempted_since is None:
+                preempted_since = time.monotonic()
             if isinstance(decision, policy.End):
                 group.stop(grace_period=grace_period)
                 return decision
@@ -461,6 +566,12 @@ def _supervise(group: Group, rules: policy.JobPolicy, *, keeper: isolation.JobKe
                 group.start(task)
             elif isinstance(decision, policy.Note):
                 say(decision.message)
+        if (preempted_since is not None and not rules.has_ps
+                and time.monotonic() - preempted_since > grace_period):
+            # Peers of a task that saved and exited 75 save at the same step; one that is
+            # still running after the grace period is stopped.
+            group.stop(grace_period=grace_period)
+            return rules.on_preemption_timeout(grace_period)
         if progress_timeout is not None:
             silent = group.silent(progress_timeout, rules.watched)
             if silent is not None:

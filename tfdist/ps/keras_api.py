@@ -208,14 +208,22 @@ def _fit(model, x, *, epochs, verbose, callbacks, validation_data, initial_epoch
                                epochs=epochs, steps=steps_per_epoch)
     model.stop_training = False
     callbacks.on_train_begin()
-    # keras.callbacks.BackupAndRestore sets the epoch it restored in on_train_begin.
+    # keras.callbacks.BackupAndRestore sets the epoch it restored in on_train_begin; a
+    # backup taken mid-epoch (tfdist.compat.keras_resume) says at which step it starts.
     initial_epoch = ps_keras.restored_initial_epoch(model) or initial_epoch
-    hooks = StepHooks(begin=callbacks.on_train_batch_begin, end=callbacks.on_train_batch_end,
-                      stop=lambda: model.stop_training)
+    from tfdist.compat import keras_resume
+
+    start = (keras_resume.take_pending() or (0, 0))[0]
     training_logs = None
     for epoch in range(initial_epoch, epochs):
+        first = start if epoch == initial_epoch else 0
+        hooks = StepHooks(begin=lambda step, first=first: callbacks.on_train_batch_begin(
+                              step + first),
+                          end=lambda step, logs, first=first: callbacks.on_train_batch_end(
+                              step + first, logs),
+                          stop=lambda: model.stop_training)
         callbacks.on_epoch_begin(epoch)
-        epoch_logs = trainer.train(x, steps_per_epoch, hooks)
+        epoch_logs = trainer.train(x, steps_per_epoch - first, hooks)
         _report_rerun_after_write(trainer)
         if validation_data is not None and _should_validate(epoch, validation_freq):
             val_logs = _evaluate(model, validation_data, steps=validation_steps,

@@ -133,8 +133,26 @@ def wait_for_tasks(addresses: dict[str, str], *, timeout: float,
         time.sleep(poll)
 
 
+# With SIGTERM a server keeps serving while the chief runs, so the chief can finish its
+# in-flight steps and save (tfdist.preemption), for at most the grace period less this.
+_LINGER_MARGIN = 3.0
+
+
+def _linger_seconds() -> float:
+    from tfdist import preemption
+
+    return max(0.0, preemption._grace_period() - _LINGER_MARGIN)
+
+
 def serve_forever(tf_config: cluster_lib.TFConfig) -> None:
-    """Runs this worker/ps task's TensorFlow server until SIGTERM/SIGINT, then exits 0.
+    """Runs this worker/ps task's TensorFlow server until SIGTERM/SIGINT, then exits.
+
+    SIGINT exits 0 at once. SIGTERM (a preemption, or the launcher stopping
+    the job) keeps the server up while the chief still accepts connections,
+    so the chief's save on SIGTERM can read the variables and finish its
+    scheduled steps, for at most the grace period less 3 s
+    (`TFDIST_GRACE_PERIOD`, set by `tfdist launch`; 30 s otherwise); then it
+    exits 0 if the chief is gone, else 75 (preempted).
 
     Raises:
       ValueError: the cluster cannot run parameter-server training (no chief,
@@ -157,17 +175,30 @@ def serve_forever(tf_config: cluster_lib.TFConfig) -> None:
     print(f"tfdist: {tf_config.task_type}:{tf_config.task_id} serving at "
           f"{tf_config.address} pid={os.getpid()} (stop with SIGTERM)", file=sys.stderr, flush=True)
 
+    received: list[int] = []
+
     def stop(signum, frame):
-        # Exit without running TensorFlow's server teardown, which can block
-        # while the coordinator still holds connections.
-        sys.stderr.flush()
-        os._exit(0)
+        if signum == signal.SIGINT:
+            # Exit without running TensorFlow's server teardown, which can block
+            # while the coordinator still holds connections.
+            sys.stderr.flush()
+            os._exit(0)
+        received.append(signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     del server  # kept alive by the runtime
-    while True:
-        time.sleep(3600)
+    while not received:
+        time.sleep(0.2)
+    chief = tf_config.cluster.chief[0] if tf_config.cluster.chief else None
+    deadline = time.monotonic() + _linger_seconds()
+    while chief and reachable(chief, timeout=0.5) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    from tfdist.preemption import PREEMPTED_EXIT_CODE
+
+    code = PREEMPTED_EXIT_CODE if chief and time.monotonic() >= deadline else 0
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def training_cluster(cluster: cluster_lib.Cluster) -> dict[str, list[str]]:
