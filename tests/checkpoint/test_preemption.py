@@ -1,6 +1,6 @@
 """SIGTERM is a save point: every preset, `tfdist launch`, a direct SIGTERM to one task.
 
-Each case runs tests/checkpoint/preempt_program.py (a small MLP, 8-step epochs,
+Each case runs tests/checkpoint/run_preemption.py (a small MLP, 8-step epochs,
 a deterministic pipeline) and checks, against one replica trained in one
 process with the same global batch (`reference`, which is the answer for
 every worker count, PowerSGD included: its update depends only on sums over
@@ -35,9 +35,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, alive, run_python
+from tests.support import REPO, alive, run_python
 
-PROGRAM = os.path.join(REPO, "tests", "checkpoint", "preempt_program.py")
+PROGRAM = os.path.join(REPO, "tests", "checkpoint", "run_preemption.py")
 GRACE = 30.0
 TOLERANCE = 1e-6
 
@@ -56,7 +56,7 @@ def reference(tmp_path, *args) -> np.ndarray:
 
 
 def launcher(tmp_path, *program_args, launch_args=(), epochs=6) -> subprocess.Popen:
-    """`python -m tfdist.launch ... -- python preempt_program.py ...`, output to a log file."""
+    """`python -m tfdist.launch ... -- python run_preemption.py ...`, output to a log file."""
     log = open(tmp_path / f"launch-{time.monotonic_ns()}.log", "w+")
     cmd = [sys.executable, "-m", "tfdist.launch", f"--grace_period={GRACE:g}", "--timeout=400",
            *launch_args, "--", sys.executable, PROGRAM, "--out", str(tmp_path),

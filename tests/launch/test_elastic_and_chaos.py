@@ -1,6 +1,6 @@
 """Elastic restarts and a chaos run under `tfdist launch`, checked against one replica.
 
-Both run tests/checkpoint/preempt_program.py (8-step epochs, a deterministic
+Both run tests/checkpoint/run_preemption.py (8-step epochs, a deterministic
 pipeline, `tfdist.BackupAndRestore` every few steps). The reference is one
 replica trained in one process with the same global batch, which is the
 answer for every worker count (PowerSGD included: its update depends only on
@@ -61,7 +61,7 @@ def _task_pids(tmp_path) -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if b"preempt_program.py" in cmdline and str(tmp_path).encode() in cmdline:
+        if b"run_preemption.py" in cmdline and str(tmp_path).encode() in cmdline:
             found.append(int(pid))
     return sorted(found)
 

@@ -185,7 +185,7 @@ def test_a_node_gone_for_good_leaves_one_worker_that_resumes_exactly(lab, tmp_pa
     from tests.checkpoint import test_preemption as preemption
 
     want = preemption.reference(tmp_path)
-    program = os.path.join(REPO, "tests", "checkpoint", "preempt_program.py")
+    program = os.path.join(REPO, "tests", "checkpoint", "run_preemption.py")
     procs = []
     for rank, holder in enumerate((lab.node0, lab.node1)):
         cmd = lab.enter(holder) + [

@@ -1,12 +1,12 @@
 """The training program of the preemption, elastic and chaos tests: every task runs it.
 
-    python tests/checkpoint/preempt_program.py --out DIR --backup_dir DIR
+    python tests/checkpoint/run_preemption.py --out DIR --backup_dir DIR
         [--preset multi_worker_mirrored|mirrored|parameter_server] [--backup tfdist|keras]
         [--save_freq N] [--shard optimizer] [--compression powersgd]
         [--epochs E] [--steps S] [--sigterm ATTEMPT:TASK:STEP ...]
         [--crash ATTEMPT:TASK:STEP ...] [--progress FILE] [--step_delay SECONDS]
         [--no_preemption]
-    python tests/checkpoint/preempt_program.py --reference OUT.npy [--compression powersgd]
+    python tests/checkpoint/run_preemption.py --reference OUT.npy [--compression powersgd]
 
 A small MLP (16 -> 16 -> 16 -> 1, SGD with momentum, so the optimizer has state,
 sharded under ZeRO) on a deterministic tf.data pipeline (`repeat_shuffled`,
