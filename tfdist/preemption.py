@@ -121,6 +121,13 @@ class _Recorder:
             self._active.append(owner)
         return True
 
+    def reset_foreign_handler(self) -> None:
+        """SIG_DFL for SIGTERM unless Python code (a save point, the user) handles it."""
+        with self.lock:
+            if self._previous is None and signal.getsignal(signal.SIGTERM) in (
+                    signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     def uninstall(self, owner) -> None:
         """Ends `owner`'s recording; the last one puts back the handler found before.
 
@@ -161,10 +168,7 @@ def default_sigterm() -> None:
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    with _recorder.lock:
-        if _recorder._previous is None and signal.getsignal(signal.SIGTERM) in (
-                signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _recorder.reset_foreign_handler()
 _counter = itertools.count()
 
 
