@@ -10,10 +10,10 @@
 
 A small MLP (16 -> 16 -> 16 -> 1, SGD with momentum, so the optimizer has state,
 sharded under ZeRO) on a deterministic tf.data pipeline (`repeat_shuffled`,
-global batch 32). Every synchronous preset gives the same numbers as one
-replica with the same global batch, and PowerSGD's depend only on sums over
-the replicas, so `--reference` (one replica, this process) is the answer for
-every worker count.
+global batch 32), 6 epochs of 8 steps unless told otherwise. Every
+synchronous preset gives the same numbers as one replica with the same global
+batch, and PowerSGD's depend only on sums over the replicas, so `--reference`
+(one replica, this process) is the answer for every worker count.
 
 - `--sigterm 1:worker:1:7`: on launch attempt 1, worker:1 sends itself SIGTERM
   after global step 7 (a Kubernetes-like direct SIGTERM to one task);
@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-N, FEATURES, GLOBAL_BATCH = 512, 16, 32
+N, FEATURES, GLOBAL_BATCH, EPOCHS, STEPS = 512, 16, 32, 6, 8
 
 
 def data():
@@ -107,8 +107,8 @@ def main() -> int:
     parser.add_argument("--save_freq", type=int, default=0)
     parser.add_argument("--shard", default="none")
     parser.add_argument("--compression", default="none")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--sigterm", action="append", default=[])
     parser.add_argument("--crash", action="append", default=[])
     parser.add_argument("--progress", default=None)

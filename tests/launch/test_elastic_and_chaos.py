@@ -9,7 +9,10 @@ sums over the replicas).
 - **Elastic** (`--min_workers=1`, PowerSGD error feedback): worker:1 crashes in
   attempts 1 and 2; the launcher says so and restarts with 1 worker, which
   resumes from the 2-worker backup (the error feedback's sum restored on one
-  replica) and ends equal to the reference.
+  replica) and ends equal to the reference within 5e-6. PowerSGD's QR step
+  amplifies rounding: an uninterrupted 2-worker run and one replica differ by
+  1.4e-6 after 48 steps, a 2-worker run resumed on 2 workers by 1.0e-6 (the
+  sum of the errors is restored, split evenly, not each replica's own).
 - **Chaos**: random SIGKILLs and SIGTERMs to random tasks at random moments
   (during steps, during the frequent backups, right after a restart while the
   backup is being restored) over a longer run under `--max_restarts`; the run
@@ -31,10 +34,12 @@ import pytest
 from tests.checkpoint.test_preemption import (TOLERANCE, launcher, no_orphans, reference,
                                               wait, weights)
 
+POWERSGD_TOLERANCE = 5e-6  # see the module docstring
+
 
 @pytest.mark.timeout(900)
 def test_min_workers_restarts_without_a_worker_that_keeps_failing(tmp_path):
-    want = reference(tmp_path, "--compression", "powersgd")
+    want = reference(4, "powersgd")
     proc = launcher(tmp_path, "--compression", "powersgd", "--save_freq", "4",
                     "--crash", "1:worker:1:13", "--crash", "2:worker:1:14", epochs=4,
                     launch_args=("--num_workers=2", "--max_restarts=3", "--min_workers=1"))
@@ -46,15 +51,15 @@ def test_min_workers_restarts_without_a_worker_that_keeps_failing(tmp_path):
     assert "resuming at step 12 on 1 replica(s); the backup was made on 2" in log
     (w,) = weights(tmp_path, "worker0")
     print(f"max |w - uninterrupted| = {np.abs(w - want).max():.2g}")
-    np.testing.assert_allclose(w, want, rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(w, want, rtol=0, atol=POWERSGD_TOLERANCE)
     assert no_orphans(tmp_path)
 
 
-def _task_pids(tmp_path) -> list[int]:
+def _task_pids(tmp_path, launcher_pid: int) -> list[int]:
     """Pids of the running tasks of the job whose output goes to `tmp_path`."""
     found = []
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if not pid.isdigit() or int(pid) == launcher_pid:
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -74,7 +79,7 @@ def _chaos(proc, tmp_path, rng: random.Random, events: int, log: list[str]) -> N
         deadline = time.monotonic() + rng.choice((0.2, 1.0, 2.0, 4.0)) * rng.random()
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)
-        pids = _task_pids(tmp_path)
+        pids = _task_pids(tmp_path, proc.pid)
         if proc.poll() is not None:
             return
         if not pids:
@@ -98,7 +103,7 @@ def test_chaos_random_kills_and_sigterms_end_equal_to_an_uninterrupted_run(tmp_p
     print(f"chaos seed {seed} ({'long' if long_run else 'short'}: {epochs} epochs, {events} "
           f"signals); replay with TFDIST_CHAOS_SEED={seed}")
     replay = f"(chaos seed {seed}; replay with TFDIST_CHAOS_SEED={seed})"
-    want = reference(tmp_path, "--epochs", str(epochs))
+    want = reference(epochs)
     rng = random.Random(seed)
     signals: list[str] = []
     proc = launcher(tmp_path, "--save_freq", "3", "--step_delay", "0.05", epochs=epochs,
