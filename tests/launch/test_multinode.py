@@ -105,6 +105,30 @@ def test_a_failure_on_one_node_restarts_every_node(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_node_that_stops_first_and_rejoins_at_once_gets_the_next_cluster(tmp_path):
+    # Node 1's task fails, so node 1 stops at once and rejoins while node 0's task takes 3 s
+    # to stop: the coordinator, still waiting for node 0 to stop, must keep node 1's join for
+    # the next attempt (it dropped it: both nodes then waited for a cluster until
+    # --join_timeout, "the coordinator went away or sent no cluster", 1 run in ~10 on a
+    # loaded machine, every run here).
+    script = _script(tmp_path, """
+        if NAME == "worker:0" and ATTEMPT == 1:
+            signal.signal(signal.SIGTERM, lambda *a: (time.sleep(3), sys.exit(0)))
+            time.sleep(60)
+        if NAME == "worker:1" and ATTEMPT == 1:
+            time.sleep(1)
+            sys.exit(3)
+        print("attempt", ATTEMPT, flush=True)
+    """)
+    coordinator = _coordinator()
+    procs = [_node(r, coordinator, script, "--max_restarts=1", "--grace_period=20",
+                   "--join_timeout=30") for r in (0, 1)]
+    (rc0, out0, err0), (rc1, out1, err1) = _finish(procs, timeout=90)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert "[worker:0] attempt 2" in out0 and "[worker:1] attempt 2" in out1
+
+
+@pytest.mark.timeout(120)
 def test_a_killed_node_launcher_ends_the_job_on_every_node(tmp_path):
     script = _script(tmp_path, """
         os.write(1, f"{NAME} pid={os.getpid()}{chr(10)}".encode())

@@ -175,6 +175,8 @@ class Coordinator:
                 f"the other nodes reach it.") from None
         self._server.listen(max(16, nnodes))
         self._inbox: queue.Queue = queue.Queue()
+        # Joins for the next attempt that arrived while this one was still ending.
+        self._next_joins: list[tuple[Channel, dict]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="tfdist-coordinator")
         self._acceptor = threading.Thread(target=self._accept, daemon=True,
@@ -261,7 +263,8 @@ class Coordinator:
                                     f"they reach the coordinator"))
                 return None
             try:
-                channel, message = self._inbox.get(timeout=min(left, 1.0))
+                channel, message = (self._next_joins.pop(0) if self._next_joins
+                                    else self._inbox.get(timeout=min(left, 1.0)))
             except queue.Empty:
                 continue
             if message is None:
@@ -317,8 +320,13 @@ class Coordinator:
                 continue
             if message is None:
                 del nodes[rank]
+                self._next_joins = [(ch, m) for ch, m in self._next_joins if ch is not channel]
             elif message.get("op") == "stopped":
                 stopped.add(rank)
+            elif message.get("op") == "join":
+                # A node that stopped first rejoins at once: its join is for the next attempt
+                # (dropping it here left that node waiting for a cluster until --join_timeout).
+                self._next_joins.append((channel, message))
         return end, restart
 
     def _check_join(self, message: dict, nodes: Mapping[int, Channel],
