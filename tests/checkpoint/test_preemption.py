@@ -53,10 +53,11 @@ def _env() -> dict:
 def _reference(epochs: int, compression: str) -> np.ndarray:
     import tfdist
     from tests.checkpoint import run_preemption as program
+    from tfdist.compat import uninstall_after
 
     options = ({} if compression == "none" else
                program.preset_options(argparse.Namespace(shard="none", compression=compression)))
-    with tfdist.compat.uninstall_after():
+    with uninstall_after():
         strategy = tfdist.make_strategy("mirrored", devices=("/cpu:0",), **options)
         model = program.build(strategy)
         model.fit(program.dataset(), epochs=epochs, steps_per_epoch=program.STEPS, verbose=0)

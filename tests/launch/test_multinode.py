@@ -129,6 +129,32 @@ def test_a_node_that_stops_first_and_rejoins_at_once_gets_the_next_cluster(tmp_p
 
 
 @pytest.mark.timeout(120)
+def test_min_workers_goes_on_without_a_node_that_is_gone_for_good(tmp_path):
+    # The coordinator is quiet while it waits --node_timeout (8 s) for node 1 to rejoin: the
+    # node's connection must not time out meanwhile (it read with a 5 s timeout: "the
+    # coordinator went away"), and node 0, whose last message is its join, is not "silent"
+    # once the attempt starts. The nodes say the coordinator's note.
+    script = _script(tmp_path, """
+        print("attempt", ATTEMPT, "workers", len(CONFIG["cluster"]["worker"]), flush=True)
+        time.sleep(60 if ATTEMPT == 1 else 3)
+    """)
+    coordinator = _coordinator()
+    procs = [_node(r, coordinator, script, "--max_restarts=2", "--min_workers=1",
+                   "--node_timeout=8", "--join_timeout=40") for r in (0, 1)]
+    try:
+        assert "[worker:0] attempt 1 workers 2" in procs[0].stdout.readline()
+    finally:
+        procs[1].kill()  # node 1 is gone: its launcher, and with it its task
+    (rc0, out0, err0), = _finish(procs[:1], timeout=90)
+    _finish(procs[1:], timeout=10)
+    assert rc0 == 0, err0
+    assert "[worker:0] attempt 2 workers 1" in out0
+    assert ("node(s) 1 did not rejoin within 8 s (--node_timeout) after attempt 1: continuing "
+            "with 1 worker(s) on node(s) 0 (--min_workers=1)") in err0
+    assert "sent nothing" not in err0
+
+
+@pytest.mark.timeout(120)
 def test_a_killed_node_launcher_ends_the_job_on_every_node(tmp_path):
     script = _script(tmp_path, """
         os.write(1, f"{NAME} pid={os.getpid()}{chr(10)}".encode())

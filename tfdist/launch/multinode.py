@@ -374,13 +374,16 @@ class Coordinator:
     def _watch(self, attempt: int, nodes: dict[int, Channel], rules: policy.JobPolicy,
                owners: Mapping[str, int]) -> policy.End:
         last_ping = 0.0
+        # A node is silent from the cluster's broadcast at the earliest: its last message
+        # (the join) may be older than node_timeout when the join waited for other nodes.
+        started = time.monotonic()
         while True:
             now = time.monotonic()
             if now - last_ping > PING_SECONDS:
                 self._broadcast(nodes, op="ping")
                 last_ping = now
             for rank, channel in nodes.items():
-                if now - channel.last_received > self.node_timeout:
+                if now - max(channel.last_received, started) > self.node_timeout:
                     return policy.End(
                         1, f"node {rank} sent nothing for {self.node_timeout:g} s "
                            f"(--node_timeout): its launcher hung or the network to it failed. "
@@ -454,7 +457,13 @@ def _connect(address: tuple[str, int], deadline: float, say) -> socket.socket:
     told = False
     while True:
         try:
-            return socket.create_connection(address, timeout=5)
+            sock = socket.create_connection(address, timeout=5)
+            # The 5 s are for connecting only: a read timeout would end the connection
+            # whenever the coordinator is quiet longer (waiting for another node to
+            # (re)join), and the node would report the coordinator gone. Liveness is
+            # the pings' job (--node_timeout).
+            sock.settimeout(None)
+            return sock
         except OSError as e:
             if time.monotonic() > deadline:
                 raise RendezvousError(
@@ -613,7 +622,7 @@ def _node_loop(channel: Channel, inbox: queue.Queue, *, prog, host, here, nnodes
         channel.send(op="join", version=PROTOCOL, node_rank=node_rank, nnodes=nnodes,
                      attempt=attempt, host=host, ports=ports)
         message = _wait_for(inbox, ("cluster", "end"), time.monotonic() + join_timeout + 5,
-                            signals)
+                            signals, say=say)
         if message is None or message.get("op") == "end":
             text = (message or {}).get("message") or (
                 "the coordinator went away or sent no cluster within --join_timeout")
@@ -667,7 +676,13 @@ def _signal_end(signum: int, group: supervisor.Group) -> dict:
             "message": end.message.replace("every task", "this node's tasks")}
 
 
-def _wait_for(inbox: queue.Queue, ops: Sequence[str], until: float, signals) -> dict | None:
+def _wait_for(inbox: queue.Queue, ops: Sequence[str], until: float, signals,
+              say=None) -> dict | None:
+    """The next message with one of `ops`, or None (deadline, signal, connection gone).
+
+    With `say`, the coordinator's notes in between are said (an elastic restart's
+    "continuing with N worker(s)" comes while the nodes wait for the cluster).
+    """
     while time.monotonic() < until and signals.received is None:
         try:
             _, message = inbox.get(timeout=0.5)
@@ -677,6 +692,8 @@ def _wait_for(inbox: queue.Queue, ops: Sequence[str], until: float, signals) -> 
             return None
         if message.get("op") in ops:
             return message
+        if say is not None and message.get("op") == "note" and message.get("message"):
+            say(str(message["message"]))
     return None
 
 
