@@ -84,6 +84,9 @@ _EXPORTS = {
     "ParameterServerError": "tfdist.ps",
     "PerWorkerDataset": "tfdist.ps",
 
+    # one description of parallelism: replicas x shards x stages x tensor x sequence
+    "Parallelism": "tfdist.parallelism",
+
     # model splitting (tfdist/split/)
     "split_model": "tfdist.split.pipeline",
     "SplitModel": "tfdist.split.pipeline",

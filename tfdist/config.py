@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Literal
 
+from tfdist import parallelism as parallelism_lib
 from tfdist.devices import check_device_name
 
 CrossDeviceOps = Literal[
@@ -115,10 +116,11 @@ class OneDeviceOptions(PresetOptions):
 
 # --- sharded data parallelism and host offload (tfdist/sharding/) -----------------------
 
-Shard = Literal["none", "optimizer", "gradients", "parameters"]
-SHARD_STAGES: tuple[str, ...] = ("none", "optimizer", "gradients", "parameters")
-Offload = Literal["none", "optimizer"]
-OFFLOADS: tuple[str, ...] = ("none", "optimizer")
+# The shard and compression rules are the Parallelism's (tfdist/parallelism.py): one home.
+Shard = parallelism_lib.Shard
+SHARD_STAGES = parallelism_lib.SHARD_STAGES
+Offload = parallelism_lib.Offload
+OFFLOADS = parallelism_lib.OFFLOADS
 # Variables smaller than this stay replicated under sharding: biases and norms of up to
 # 16384 fp32 channels. Sharding them saves at most this much per variable and costs a
 # collective launch each (per layer call at shard="parameters"); see docs/sharding.md.
@@ -160,25 +162,14 @@ def _misplaced(option: str, preset: str) -> str:
 
 def _check_sharding(options: Any) -> None:
     """Validates the shard/offload/shard_min_bytes fields of a synchronous preset."""
-    if options.shard not in SHARD_STAGES:
-        raise ValueError(
-            f"shard must be one of {', '.join(SHARD_STAGES)}. Received: shard={options.shard!r}")
-    if options.offload not in OFFLOADS:
-        raise ValueError(
-            f"offload must be one of {', '.join(OFFLOADS)}. Received: "
-            f"offload={options.offload!r}")
-    if options.offload != "none" and options.shard == "none":
-        raise ValueError(
-            "offload='optimizer' keeps each replica's shard of the optimizer state on the "
-            "host CPU, so it needs sharding. Received: shard='none', offload='optimizer'. "
-            "Add shard='optimizer' (or 'gradients', as ZeRO-Offload does), or drop offload.")
+    parallelism_lib.check_sharding(options.shard, options.offload)
     _check_count("shard_min_bytes", options.shard_min_bytes, "shard every variable")
 
 
 # --- gradient compression and buckets (tfdist/comm/) -----------------------------------
 
-GradientCompression = Literal["none", "fp16", "bf16", "powersgd"]
-GRADIENT_COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
+GradientCompression = parallelism_lib.GradientCompression
+GRADIENT_COMPRESSIONS = parallelism_lib.GRADIENT_COMPRESSIONS
 DEFAULT_POWERSGD_RANK = 4
 DEFAULT_POWERSGD_WARMUP_STEPS = 100
 
@@ -219,10 +210,7 @@ def _check_comm_options(options: Any, *, reducer_option: str) -> None:
     """
     compression = options.gradient_compression
     reducer = getattr(options, reducer_option)
-    if compression not in GRADIENT_COMPRESSIONS:
-        raise ValueError(
-            f"gradient_compression must be one of {', '.join(GRADIENT_COMPRESSIONS)}. "
-            f"Received: gradient_compression={compression!r}")
+    parallelism_lib.check_choice("gradient_compression", compression, GRADIENT_COMPRESSIONS)
     powersgd = compression == "powersgd"
     for name in ("powersgd_rank", "powersgd_warmup_steps"):
         if getattr(options, name) is not None and not powersgd:
@@ -249,13 +237,7 @@ def _check_comm_options(options: Any, *, reducer_option: str) -> None:
             f"{reducer_option}={reducer!r} {_NOT_COLLECTIVE[reducer]} instead. Use "
             f"{reducer_option}='ring' "
             "(or 'auto' on CPUs), or drop gradient_compression and bucket_bytes.")
-    shard = options.shard
-    if shard != "none":
-        # Sharding reduce-scatters the gradients in its own GradientSync.
-        raise ValueError(
-            f"{what} cannot be combined with shard={shard!r}: sharding reduce-scatters the "
-            "gradients itself and does not compress them. Use one of the two: drop "
-            "gradient_compression/bucket_bytes, or shard='none'.")
+    parallelism_lib.check_exchange_with_shard(what, options.shard)
 
 
 def powersgd_rank_of(options: Any) -> int:

@@ -45,6 +45,8 @@ class StrategyState:
         (`file_role_known`).
       barrier: the traced all-worker barrier of the file writers, once made.
       gather: the traced all-gather function of sharding, once made.
+      parallelism: the resolved `tfdist.Parallelism` it was made from
+        (`make_strategy(parallelism)`), with its devices; None otherwise.
     """
 
     preset: str | None = None
@@ -57,6 +59,7 @@ class StrategyState:
     file_role_known: bool = False
     barrier: Callable[[], Any] | None = None
     gather: Any = None
+    parallelism: Any = None
 
 
 _lock = threading.RLock()

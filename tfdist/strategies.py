@@ -16,11 +16,14 @@ import dataclasses
 import importlib
 import logging
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tfdist import config as config_lib
 from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
+
+if TYPE_CHECKING:
+    from tfdist.parallelism import Parallelism
 
 logger = logging.getLogger("tfdist")
 
@@ -132,7 +135,12 @@ def make_options(preset: str, **options: Any) -> config_lib.PresetOptions:
     return get_preset(preset).options.from_kwargs(**options)
 
 
-def _options(preset: "str | config_lib.PresetOptions", options: dict) -> config_lib.PresetOptions:
+def _options(preset: "str | config_lib.PresetOptions | Parallelism", options: dict
+             ) -> config_lib.PresetOptions:
+    from tfdist.parallelism import Parallelism
+
+    if isinstance(preset, Parallelism):
+        return preset.resolve().preset_options(**options)
     if isinstance(preset, config_lib.PresetOptions):
         if options:
             raise ValueError(
@@ -143,16 +151,22 @@ def _options(preset: "str | config_lib.PresetOptions", options: dict) -> config_
     return make_options(preset, **options)
 
 
-def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **options: Any):
+def make_strategy(preset: "str | config_lib.PresetOptions | Parallelism" = "mirrored",
+                  **options: Any):
     """Builds a `tf.distribute.Strategy` from a preset name and its options.
 
     The preset's factory builds the strategy; each of the preset's features
     whose condition holds is attached to it (`installs()` lists them).
 
     Args:
-      preset: a registered name (see `available_presets()`), or an options
-        object such as `tfdist.MirroredOptions(num_devices=2)`.
-      **options: that preset's options (with a name), e.g. `num_devices=2`.
+      preset: a registered name (see `available_presets()`), an options
+        object such as `tfdist.MirroredOptions(num_devices=2)`, or a
+        `tfdist.Parallelism`: the strategy its replicas run under (checked
+        against this process's devices; recorded on the strategy's
+        `StrategyState.parallelism`, which `split_model(model, strategy=)`
+        reads). One replica is TensorFlow's default strategy.
+      **options: that preset's options (with a name), e.g. `num_devices=2`;
+        with a Parallelism, the preset's other options (e.g. `sync_batch_norm=True`).
 
     Returns:
       The strategy. Build and compile the Keras model under `strategy.scope()`
@@ -169,12 +183,19 @@ def make_strategy(preset: "str | config_lib.PresetOptions" = "mirrored", **optio
       >>> strategy.num_replicas_in_sync
       2
     """
-    opts = _options(preset, options)
+    from tfdist.parallelism import Parallelism
+
+    dims = preset.resolve() if isinstance(preset, Parallelism) else None  # once, here
+    opts = dims.preset_options(**options) if dims is not None else _options(preset, options)
     from tfdist.compat import _versions
 
     # Before any fix or private TensorFlow/Keras code runs: a clear error outside the range.
     _versions.check_supported()
-    return _build(get_preset(opts.preset), opts)
+    strategy = _build(get_preset(opts.preset), opts)
+    state = state_lib.state_of(strategy)
+    if dims is not None and state is not None:
+        state.parallelism = dims
+    return strategy
 
 
 def _build(preset: Preset, options: config_lib.PresetOptions):
@@ -211,7 +232,8 @@ class Installs:
     fixes: tuple[str, ...]
 
 
-def installs(preset: "str | config_lib.PresetOptions" = "mirrored", **options: Any) -> Installs:
+def installs(preset: "str | config_lib.PresetOptions | Parallelism" = "mirrored",
+             **options: Any) -> Installs:
     """What this preset with these options installs, without building anything.
 
     Example:

@@ -24,6 +24,7 @@ import subprocess
 from typing import Any
 
 from tfdist import planning
+from tfdist.parallelism import DATA_PARALLEL_FIELDS, Parallelism
 from tfdist.planning.units import check_positive, format_bytes, format_seconds
 
 # Stage counts above this are not searched (and rarely balance well anyway).
@@ -42,7 +43,9 @@ class Variant:
     so a variant becomes recommendable the moment the feature is installed.
 
     Attributes:
-      options: the preset options, e.g. (("shard", "optimizer"),).
+      options: the preset options, e.g. (("shard", "optimizer"),): fields of a
+        `tfdist.Parallelism` (shard, offload, gradient_compression), checked by
+        its rules over two replicas when the variant is made.
       summary: what it does, for the reasons.
       state: which per-replica state is divided over the N replicas:
         "optimizer" (ZeRO-1), "gradients" (ZeRO-2: and gradients), "parameters"
@@ -60,6 +63,13 @@ class Variant:
     state: str = ""
     traffic: float = 1.0
     host_traffic: float = 0.0
+
+    def __post_init__(self):
+        unknown = [k for k, _ in self.options if k not in DATA_PARALLEL_FIELDS]
+        if unknown:
+            raise ValueError(f"A variant changes {', '.join(DATA_PARALLEL_FIELDS)} of a "
+                             f"Parallelism. Received: {unknown}")
+        Parallelism(replicas=2, **dict(self.options))  # the Parallelism's rules
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -121,6 +131,7 @@ def _sequence_parallel_candidates(stats, cluster, batch, opt, device) -> list:
         device_memory=device.memory, communication_bytes=traffic,
         communication_time=traffic * cluster.machine.link.seconds_per_byte,
         registered=True, options=(("sequence_parallel", str(n)),),
+        parallelism=Parallelism(sequence=n),
         note=f"each sequence cut over {n} devices: activations 1/{n} per device, attention "
              "gathers keys/values")]
 
@@ -162,6 +173,9 @@ class Candidate:
       compute_time: FLOPs / device peak, seconds (None without a peak).
       registered: the preset exists in this installation's registry.
       note: what this configuration means or why it is ruled out.
+      options: the preset options of a variant, e.g. (("shard", "optimizer"),).
+      parallelism: the `tfdist.Parallelism` that runs it (None for parameter
+        servers, and where the global batch does not divide).
     """
 
     preset: str
@@ -175,6 +189,7 @@ class Candidate:
     registered: bool = True
     note: str = ""
     options: tuple[tuple[str, str], ...] = ()
+    parallelism: Parallelism | None = None
 
     @property
     def name(self) -> str:
@@ -206,6 +221,7 @@ class Candidate:
             "compute_time": self.compute_time, "step_time": self.step_time,
             "registered": self.registered, "note": self.note,
             "options": dict(self.options), "name": self.name,
+            "parallelism": None if self.parallelism is None else _dims_dict(self.parallelism),
         }
 
 
@@ -276,6 +292,19 @@ class Recommendation:
                          f"{', '.join(c.preset for c in self.candidates)}.")
 
     @property
+    def parallelism(self) -> Parallelism | None:
+        """The recommendation as a `tfdist.Parallelism` that runs as it is (None: nothing fits).
+
+        Data parallelism: `tfdist.make_strategy(recommendation.parallelism)`, and
+        the model built under its scope. A split (`parallelism.splits_model`):
+        `tfdist.split_model(model, parallelism=recommendation.parallelism)`.
+        Several workers: the same strategy call in each process `tfdist launch`
+        starts.
+        """
+        chosen = self.recommended_candidate
+        return None if chosen is None else chosen.parallelism
+
+    @property
     def recommended_candidate(self) -> Candidate | None:
         """The recommended candidate, with its options (None when nothing fits)."""
         for candidate in self.candidates:
@@ -294,9 +323,11 @@ class Recommendation:
 
     def as_dict(self) -> dict[str, Any]:
         machine = self.cluster.machine
+        dims = self.parallelism
         return {
             "recommended": self.recommended,
             "recommended_options": dict(self.recommended_options),
+            "parallelism": None if dims is None else _dims_dict(dims),
             "reasons": list(self.reasons),
             "split": None if self.split is None else self.split.as_dict(),
             "global_batch_size": self.global_batch_size,
@@ -321,6 +352,11 @@ class Recommendation:
             },
             "candidates": [c.as_dict() for c in self.candidates],
         }
+
+
+def _dims_dict(dims: Parallelism) -> dict[str, Any]:
+    return {f.name: getattr(dims, f.name) for f in dataclasses.fields(dims)
+            if getattr(dims, f.name) != f.default}
 
 
 def _registered() -> tuple[str, ...]:
@@ -441,7 +477,8 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
             return None
         return stats.train_flops_per_example * per_replica / device.peak_flops
 
-    def data_parallel(preset: str, replicas: int, link: planning.Link, note: str) -> Candidate:
+    def data_parallel(preset: str, replicas: int, link: planning.Link, note: str,
+                      workers: int = 1) -> Candidate:
         if batch % replicas:
             return Candidate(
                 preset=preset, num_replicas=replicas, per_replica_batch_size=None, memory=None,
@@ -454,13 +491,15 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
             device_memory=device.memory,
             communication_bytes=planning.ring_allreduce_bytes_per_rank(k, replicas),
             communication_time=planning.ring_allreduce_time(k, replicas, link),
-            compute_time=compute(per), registered=preset in registered, note=note)
+            compute_time=compute(per), registered=preset in registered, note=note,
+            parallelism=Parallelism(replicas=replicas, workers=workers))
 
     candidates = [Candidate(
         preset="default", num_replicas=1, per_replica_batch_size=batch,
         memory=planning.replica_memory(stats, per_replica_batch_size=batch, optimizer=opt),
         device_memory=device.memory, compute_time=compute(batch),
-        registered="default" in registered, note="one device, no communication")]
+        registered="default" in registered, note="one device, no communication",
+        parallelism=Parallelism())]
     if d > 1:
         central = planning.central_reducer_time(k, d, cluster.machine.link)
         candidates.append(data_parallel(
@@ -471,7 +510,8 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
     if h > 1:
         candidates.append(data_parallel(
             "multi_worker_mirrored", n, cluster.slowest_link,
-            f"{n} replicas on {h} machines, ring all-reduce limited by the network"))
+            f"{n} replicas on {h} machines, ring all-reduce limited by the network",
+            workers=h))
         ps = num_ps or max(1, h // 4)
         per_worker = batch // h if batch % h == 0 else None
         network = cluster.network
@@ -503,6 +543,7 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
             traffic = variant.traffic * base.communication_bytes + host
             candidates.append(dataclasses.replace(
                 base, options=variant.options, registered=registered_variant,
+                parallelism=base.parallelism.replace(**dict(variant.options)),
                 memory=_variant_memory(base.memory, variant, base.num_replicas, stats, opt),
                 communication_bytes=traffic,
                 communication_time=variant.traffic * base.communication_time
@@ -539,12 +580,12 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
         recommended, recommended_options = best.preset, best.options
         plain = next(c for c in candidates if c.preset == best.preset and not c.options)
         if "sequence_parallel" in dict(best.options):
-            parts = dict(best.options)["sequence_parallel"]
-            how = (f"tfdist.split.sequence_parallel(model, devices=<{parts} devices>) "
-                   "(flag --sequence_parallel)")
+            how = ("tfdist.split.sequence_parallel(model, parallelism=recommendation."
+                   f"parallelism) ({best.parallelism!r}; flag --sequence_parallel)")
         else:
             how = (f"tfdist.make_strategy({best.preset!r}, "
-                   f"{', '.join(f'{k}={v!r}' for k, v in best.options)})")
+                   f"{', '.join(f'{k}={v!r}' for k, v in best.options)}) (or "
+                   f"tfdist.make_strategy(recommendation.parallelism): {best.parallelism!r})")
         reasons.append(
             f"{best.preset} does not fit as it is (needs {format_bytes(plain.memory.total)}"
             f" per device of {format_bytes(best.device_memory)}), but with "
@@ -571,7 +612,8 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
                 f"{format_bytes(best.communication_bytes)} per step (estimated step "
                 f"{format_seconds(compressed.step_time)} vs "
                 f"{format_seconds(best.step_time)}). Apply it with "
-                f"tfdist.make_strategy({best.preset!r}, gradient_compression={method!r}).")
+                f"tfdist.make_strategy({best.preset!r}, gradient_compression={method!r}) "
+                f"(or tfdist.make_strategy(tfdist.{compressed.parallelism!r})).")
         if best.preset == "multi_worker_mirrored":
             ps_candidate = next((c for c in candidates if c.preset == "parameter_server"), None)
             if ps_candidate is not None and ps_candidate.fits:
@@ -620,7 +662,9 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
                                                                 cluster.slowest_link),
                 registered=True,  # tfdist.split_model ships with tfdist
                 note=f"{split.stages} pipeline stages x {split.data_parallel_groups} "
-                     "data-parallel group(s)"))
+                     "data-parallel group(s)",
+                parallelism=Parallelism(replicas=groups, stages=split.stages,
+                                        micro_batches=split.micro_batches)))
             where = (f"pipeline stages starting at layers {list(split.stage_boundaries)}"
                      if split.stage_boundaries else "balanced pipeline stages assumed: the "
                      "layers are unknown")
@@ -631,8 +675,8 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
                 f"the bubble is {split.bubble:.0%} (ideal speed-up {split.ideal_speedup:.2f}x "
                 f"over one device); {split.data_parallel_groups} data-parallel copies of the "
                 "pipeline use the devices. Apply it with tfdist.split_model(model, "
-                f"num_stages={split.stages}, micro_batches={split.micro_batches}, "
-                f"replicas={split.data_parallel_groups}).")
+                f"parallelism=recommendation.parallelism) ({candidates[-1].parallelism!r}; "
+                "split_model balances the layers by their parameters).")
         else:
             reasons.append(
                 f"Even split over all {n} devices the model does not fit: use a smaller "

@@ -94,9 +94,6 @@ def train_step(split, data):
     import keras
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if split.replicas > 1:
-        raise ValueError("schedule='1f1b' runs one pipeline (replicas=1); for replicas x stages "
-                         "use schedule='gpipe' or 'free'.")
     k, m = len(split.stages), split.micro_batches
     micro, _ = split.micro_batch_inputs(x, True)
     def pieces(structure):

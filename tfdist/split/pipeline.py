@@ -28,13 +28,13 @@ replica r runs stage k on devices[r*K + k].
 from __future__ import annotations
 
 import contextlib
-from typing import Literal, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
+from tfdist import parallelism as parallelism_lib
 from tfdist._tf import import_tensorflow
 from tfdist.compat import keras_graph, placed_training
-from tfdist.devices import canonical_device
 from tfdist.split import balance, graph as graph_lib
 from tfdist.split import plan as plan_lib
 
@@ -42,8 +42,8 @@ import_tensorflow()  # quietly, before keras imports TensorFlow itself
 
 import keras  # noqa: E402
 
-Schedule = Literal["free", "gpipe", "1f1b"]
-SCHEDULES: tuple[str, ...] = ("free", "gpipe", "1f1b")
+Schedule = parallelism_lib.Schedule
+SCHEDULES = parallelism_lib.SCHEDULES
 
 
 def _has_batch_statistics(layers) -> list[str]:
@@ -65,12 +65,16 @@ class SplitModel(keras.Model):
       micro_batches: M.
       schedule: "free", "gpipe" or "1f1b".
       replicas: R data-parallel replicas (1 = none).
+      parallelism: the `tfdist.Parallelism` it runs (replicas, the plan's
+        stages, micro-batches, schedule; its devices when they were the layout).
+      strategy: the replicas' strategy (None for one replica).
       stages: the Stage objects in order.
       cuts: tensors crossing each stage boundary.
     """
 
     def __init__(self, *, graph, plan, stages, cuts, layer_map, source_order,
-                 micro_batches, schedule, replica_devices, strategy, **kwargs):
+                 micro_batches, schedule, replica_devices, strategy, groups=None,
+                 parallelism=None, **kwargs):
         super().__init__(name=kwargs.pop("name", f"{graph.model.name}_split"), **kwargs)
         self.plan = plan
         self.micro_batches = micro_batches
@@ -84,6 +88,9 @@ class SplitModel(keras.Model):
         self._source_order = source_order    # [(plan name, weight index)] in model.weights order
         self.replica_devices = replica_devices  # [[stage devices of replica r], ...]
         self.replicas = len(replica_devices)
+        # [[all devices of replica r's group], ...]: a device maps to the same place in each
+        self._groups = groups if groups is not None else replica_devices
+        self.parallelism = parallelism
         self.strategy = strategy
         self.built = True
 
@@ -108,8 +115,8 @@ class SplitModel(keras.Model):
     def _map_device(self, device: str, replica: int) -> str:
         if replica == 0:
             return device
-        base = self.replica_devices[0]
-        return self.replica_devices[replica][base.index(device)] if device in base else device
+        base = self._groups[0]
+        return self._groups[replica][base.index(device)] if device in base else device
 
     # --- forward --------------------------------------------------------------------------
     def _inputs(self, inputs) -> list:
@@ -291,38 +298,94 @@ def _source_order(model, graph) -> list[tuple[str, int]]:
 def _check_devices_arg(devices) -> list[str] | None:
     if devices is None:
         return None
-    if isinstance(devices, str):
-        raise ValueError(
-            "devices must be a list of device names, one per stage, e.g. "
-            f"['/cpu:0', '/cpu:1']. Received the string devices={devices!r}. "
-            f"Pass devices=[{devices!r}, ...].")
-    try:
-        devices = list(devices)
-    except TypeError:
-        raise ValueError("devices must be a list of device names such as ['/cpu:0', '/cpu:1']. "
-                         f"Received: devices={devices!r}") from None
-    if not devices:
-        raise ValueError("devices must name at least one device. Received: devices=[]")
-    canon = [canonical_device(d) for d in devices]
-    seen, dups = set(), []
-    for given, c in zip(devices, canon):
-        if c in seen and given not in dups:
-            dups.append(given)
-        seen.add(c)
-    if dups:
-        raise ValueError(
-            f"Each device may appear once in devices (each is one pipeline stage or replica). "
-            f"Received: devices={devices!r}; repeated: {dups}. To put several layers on one "
-            "device, give fewer stages, or write a SplitPlan.")
-    return canon
+    return list(parallelism_lib.check_device_list(
+        devices, fix="To put several layers on one device, give fewer stages, or write a "
+                     "SplitPlan."))
 
 
-def split_model(model, *, devices: Sequence[str] | None = None,
-                plan: plan_lib.SplitPlan | None = None, micro_batches: int = 1,
+def given_parallelism(parallelism, strategy, keywords: Mapping, *, caller: str):
+    """The resolved Parallelism of `parallelism=` or of `strategy=`; None when neither is given.
+
+    Raises:
+      ValueError: both given, a strategy that carries no Parallelism, a
+        Parallelism that is not a Parallelism, keywords that the Parallelism
+        holds given beside it, or data-parallel fields (shard, offload,
+        gradient_compression, workers) that a split does not run.
+    """
+    from tfdist import state as state_lib
+
+    if parallelism is None and strategy is None:
+        return None
+    if parallelism is not None and strategy is not None:
+        raise ValueError(
+            f"Pass parallelism= or strategy= to {caller}, not both (a strategy made by "
+            "tfdist.make_strategy(parallelism) carries its Parallelism).")
+    if strategy is not None:
+        state = state_lib.state_of(strategy)
+        dims = None if state is None else state.parallelism
+        if dims is None:
+            raise ValueError(
+                f"strategy= must be one tfdist.make_strategy(parallelism) made, so it carries "
+                f"the Parallelism to run. Received: {type(strategy).__name__} with no "
+                "Parallelism recorded (TensorFlow's default strategy, which one replica runs "
+                "on, carries none). Pass parallelism=tfdist.Parallelism(...) instead.")
+    else:
+        if not isinstance(parallelism, parallelism_lib.Parallelism):
+            raise ValueError(
+                "parallelism must be a tfdist.Parallelism, e.g. tfdist.Parallelism(stages=2, "
+                f"micro_batches=4). Received: {type(parallelism).__name__} {parallelism!r:.80}")
+        dims = parallelism
+    beside = {k: v for k, v in keywords.items() if v is not None}
+    if beside:
+        raise ValueError(
+            f"{', '.join(beside)} are part of the Parallelism; give them there "
+            f"(parallelism.replace({next(iter(beside))}=...)), not beside it. Received: "
+            f"{dims}, " + ", ".join(f"{k}={v!r}" for k, v in beside.items()) + ".")
+    data = [f"{name}={getattr(dims, name)!r}" for name in parallelism_lib.DATA_PARALLEL_FIELDS
+            if getattr(dims, name) != "none"]
+    if dims.workers > 1:
+        data.append(f"workers={dims.workers}")
+    if data:
+        raise ValueError(
+            f"{caller} does not run {', '.join(data)}: that is data parallelism of a model "
+            f"built under tfdist.make_strategy(parallelism).scope(). Received: {dims}. Build "
+            "the model under that strategy's scope instead, or drop those fields.")
+    return dims.resolve() if strategy is None else dims
+
+
+def _tensor_parallel_devices(tensor_parallel: Mapping, plan: plan_lib.SplitPlan,
+                             dims: parallelism_lib.Parallelism) -> dict:
+    """{layer: (mode, devices)}: a mode alone takes its stage's `tensor` devices from `dims`."""
+    out = {}
+    for name, spec in tensor_parallel.items():
+        if not isinstance(spec, str):
+            out[name] = spec
+            continue
+        if dims.tensor < 2 or dims.devices is None:
+            raise ValueError(
+                f"tensor_parallel={{{name!r}: {spec!r}}} takes its devices from "
+                "Parallelism(tensor=N) (each stage's N devices); without it give them: "
+                f"{{{name!r}: ({spec!r}, ['/cpu:0', '/cpu:1'])}}. Received: "
+                f"tensor={dims.tensor}.")
+        device = plan.device_of(name)
+        stage_devices = dims.stage_devices(0)
+        if device not in stage_devices:
+            raise ValueError(
+                f"Layer {name!r} runs on {device}, which is no stage device of {dims} "
+                f"({', '.join(stage_devices)}), so it has no tensor devices. Place it on a "
+                "stage device, or give its devices: "
+                f"{{{name!r}: ({spec!r}, [...])}}.")
+        out[name] = (spec, list(dims.tensor_devices(stage_devices.index(device))))
+    return out
+
+
+def split_model(model, *, parallelism: parallelism_lib.Parallelism | None = None,
+                strategy=None, devices: Sequence[str] | None = None,
+                plan: plan_lib.SplitPlan | None = None, micro_batches: int | None = None,
                 num_stages: int | None = None, balance_by: str | None = None,
-                device_weights: Sequence[float] | None = None, replicas: int = 1,
-                tensor_parallel: Mapping | None = None, schedule: Schedule = "free",
-                input_shape: Sequence[int] | None = None) -> SplitModel:
+                device_weights: Sequence[float] | None = None, replicas: int | None = None,
+                tensor_parallel: Mapping | None = None, schedule: Schedule | None = None,
+                input_shape: Sequence[int] | None = None):
     """Runs a Keras model's layers on several devices, pipelined over micro-batches.
 
     The split runs the model's own layers: their variables are moved to the
@@ -335,19 +398,34 @@ def split_model(model, *, devices: Sequence[str] | None = None,
     embeddings) keeps its variables on its first call's stage; later calls
     read them across devices.
 
+    The layout comes from a `tfdist.Parallelism` (`parallelism=`, or the
+    `strategy=` `tfdist.make_strategy(parallelism)` made), or from the
+    keywords `devices=`, `replicas=`, `micro_batches=`, `schedule=` (a
+    shorthand for the same Parallelism). A Parallelism with `sequence` > 1 is
+    run by `tfdist.split.sequence_parallel`.
+
     Args:
       model: a built Sequential or Functional model, or a subclassed model
         whose call() applies its layers in order.
+      parallelism: replicas x stages (x tensor) and micro-batches, schedule and
+        devices (default: the first replicas x stages x tensor devices).
+      strategy: a strategy `tfdist.make_strategy(parallelism)` made (its
+        replicas run the pipelines), instead of `parallelism`.
       devices: the devices, e.g. ["/cpu:0", "/cpu:1"]. With replicas=R, R*K
         devices grouped as R replicas x K stages. Default: the plan's devices.
-      plan: a SplitPlan (layer -> device). Default: plan_balanced over `devices`.
-      micro_batches: M; each training batch must divide into M equal micro-batches.
+      plan: a SplitPlan (layer -> device) for replica 0. Default: plan_balanced
+        over the stages' devices.
+      micro_batches: M (default 1); each training batch must divide into M
+        equal micro-batches.
       num_stages: K for the automatic plan (default: len(devices) / replicas).
       balance_by: "params" (default), "flops" or "time" (automatic plan only).
       device_weights: relative speed of each stage's device (automatic plan only).
-      replicas: data-parallel replicas (MirroredStrategy), each a full pipeline.
+      replicas: data-parallel replicas (default 1; MirroredStrategy), each a
+        full pipeline.
       tensor_parallel: {layer name: ("column"|"row", [devices])} Dense or
-        MultiHeadAttention layers to split across devices (added to the plan).
+        MultiHeadAttention layers to split across devices (added to the plan);
+        with Parallelism(tensor=N), {layer name: "column"|"row"} splits the
+        layer over its stage's N devices.
       schedule: "free" (default: TensorFlow's executor runs any ready op),
         "gpipe" (each stage processes micro-batches strictly in order) or
         "1f1b" (one forward, one backward per stage in steady state: at most
@@ -356,28 +434,46 @@ def split_model(model, *, devices: Sequence[str] | None = None,
         never called symbolically.
 
     Returns:
-      A SplitModel: compile() and fit() it like the original.
+      A SplitModel (a SequenceParallelModel for sequence parallelism):
+      compile() and fit() it like the original.
 
     Raises:
       ValueError: unknown or repeated devices, fewer layers than stages, a plan
         that does not match the model or cannot cut it, options that conflict
-        with `plan=`, BatchNormalization with M > 1, "1f1b" with M < K.
+        with `plan=` or with `parallelism=`, BatchNormalization with M > 1,
+        "1f1b" with M < K, a Parallelism the devices cannot hold.
 
     Example:
       >>> split = tfdist.split_model(model, devices=["/cpu:0", "/cpu:1"], micro_batches=8)
       >>> split.compile("adam", "mse"); split.fit(x, y, batch_size=64)
       >>> print(tfdist.placement_report(split))
+      >>> split = tfdist.split_model(model, parallelism=tfdist.Parallelism(
+      ...     replicas=2, stages=2, micro_batches=4))   # the first 4 devices
     """
     from tfdist import devices as devices_lib
+    from tfdist import strategies
 
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(
-            f"micro_batches must be an integer >= 1. Received: micro_batches={micro_batches!r}")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas must be an integer >= 1. Received: replicas={replicas!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}. "
-                         f"Received: schedule={schedule!r}")
+    dims = given_parallelism(parallelism, strategy, {
+        "devices": devices, "replicas": replicas, "micro_batches": micro_batches,
+        "schedule": schedule, "num_stages": num_stages}, caller="split_model")
+    if dims is not None and dims.sequence > 1:
+        shaping = {k: v for k, v in (("plan", plan), ("tensor_parallel", tensor_parallel),
+                                      ("balance_by", balance_by),
+                                      ("device_weights", device_weights),
+                                      ("input_shape", input_shape)) if v is not None}
+        if shaping:
+            raise ValueError(
+                f"{', '.join(shaping)} shape a pipeline; {dims} cuts every sequence instead "
+                "(tfdist.split.sequence_parallel). Drop them, or use sequence=1.")
+        from tfdist.split.sequence_parallel import sequence_parallel
+
+        return sequence_parallel(model, parallelism=dims if strategy is None else None,
+                                 strategy=strategy)
+    if dims is None:  # the keywords, checked as the Parallelism they describe
+        dims = parallelism_lib.Parallelism(
+            replicas=1 if replicas is None else replicas,
+            micro_batches=1 if micro_batches is None else micro_batches,
+            schedule="free" if schedule is None else schedule)
     if plan is not None and not isinstance(plan, plan_lib.SplitPlan):
         raise ValueError(
             "plan must be a tfdist.split.SplitPlan (e.g. SplitPlan.from_dict({'dense': '/cpu:0', "
@@ -393,47 +489,63 @@ def split_model(model, *, devices: Sequence[str] | None = None,
                 + ". Drop them, or drop plan= to let split_model balance the layers.")
     devices = _check_devices_arg(devices)
     graph = graph_lib.flatten(model, input_shape=input_shape)
+    replicas = dims.replicas
     if devices is not None:
         devices_lib.resolve_devices(devices)  # raises for devices this process lacks
         if len(devices) % replicas:
             raise ValueError(
                 f"{len(devices)} devices cannot be grouped into replicas={replicas} equal "
                 f"pipelines. Received: devices={devices}. Give replicas x stages devices.")
+        if plan is None:  # devices= with the automatic plan: the mesh of the Parallelism
+            per_replica = len(devices) // replicas
+            k = num_stages if num_stages is not None else per_replica
+            if k != per_replica:
+                raise ValueError(
+                    f"num_stages={k} but {per_replica} device(s) per replica were given "
+                    f"({devices[:per_replica]}). Give one device per stage.")
+            dims = dims.replace(stages=k, devices=tuple(devices))
+    # The device groups, one per replica: the Parallelism's (resolved once, by
+    # given_parallelism or here), else devices= or the plan's devices split R ways.
+    if dims.devices is not None:
+        dims = dims.resolve() if devices is not None else dims
+        groups = [list(g) for g in dims.replica_groups]
+    elif plan is None:
+        raise ValueError("split_model needs devices=[...] or plan=SplitPlan(...). "
+                         "Received neither.")
+    else:
+        pool = devices if devices is not None else list(plan.devices)
+        k = len(pool) // replicas
+        groups = [pool[r * k:(r + 1) * k] for r in range(replicas)]
     if plan is None:
-        if devices is None:
-            raise ValueError("split_model needs devices=[...] or plan=SplitPlan(...). "
-                             "Received neither.")
-        stage_devices = devices[: len(devices) // replicas]
-        k = num_stages if num_stages is not None else len(stage_devices)
-        if k != len(stage_devices):
-            raise ValueError(
-                f"num_stages={k} but {len(stage_devices)} device(s) per replica were given "
-                f"({stage_devices}). Give one device per stage.")
-        plan = balance.plan_balanced(graph, k, by=balance_by or "params",
-                                     device_weights=device_weights, devices=stage_devices)
+        plan = balance.plan_balanced(graph, dims.stages, by=balance_by or "params",
+                                     device_weights=device_weights,
+                                     devices=list(dims.stage_devices(0)))
     plan = plan_lib.in_model_order(plan, graph.layer_names)
     if tensor_parallel:
-        plan = plan.replace(tensor_parallel=tensor_parallel)
+        plan = plan.replace(tensor_parallel=_tensor_parallel_devices(tensor_parallel, plan, dims))
+    elif dims.tensor > 1:
+        raise ValueError(
+            f"{dims} splits the layers named in tensor_parallel= over each stage's "
+            f"{dims.tensor} devices; name them, e.g. tensor_parallel={{'dense': 'column'}} "
+            "(Dense: 'column' or 'row'; MultiHeadAttention: 'column'). Received: no "
+            "tensor_parallel.")
     devices_lib.resolve_devices(list(plan.devices))
     stage_devices = [d for d, _ in plan.stages]
-    if schedule == "1f1b" and micro_batches < len(stage_devices):
-        raise ValueError(
-            f"schedule='1f1b' needs at least as many micro-batches as stages (its steady state "
-            f"runs one forward and one backward per stage). Received: micro_batches="
-            f"{micro_batches} for {len(stage_devices)} stages. Use micro_batches >= "
-            f"{len(stage_devices)}, or schedule='gpipe'.")
-    if devices is None:
-        devices = list(plan.devices)
+    # What runs: the plan's own stage count, under the Parallelism's rules (1f1b needs M >= K).
+    run = parallelism_lib.Parallelism(replicas=replicas, stages=len(stage_devices),
+                                      micro_batches=dims.micro_batches, schedule=dims.schedule)
+    if dims.devices is not None and dims.stages == run.stages:
+        run = dims
     if replicas == 1:
-        outside = [d for d in stage_devices if d not in devices]
-        if outside:
-            raise ValueError(
-                f"The plan uses devices {outside} that devices= does not list ({devices}). "
-                "Drop devices= (the plan names the devices) or make them agree.")
+        if devices is not None or dims.devices is not None:
+            outside = [d for d in stage_devices if d not in groups[0]]
+            if outside:
+                raise ValueError(
+                    f"The plan uses devices {outside} that devices= does not list "
+                    f"({groups[0]}). Drop devices= (the plan names the devices) or make them "
+                    "agree.")
         replica_devices = [stage_devices]
     else:
-        k = len(devices) // replicas
-        groups = [devices[r * k:(r + 1) * k] for r in range(replicas)]
         base = groups[0]
         extra = [d for d in plan.devices if d not in base]
         if extra:
@@ -442,18 +554,20 @@ def split_model(model, *, devices: Sequence[str] | None = None,
                 f"it also uses {extra}.")
         replica_devices = [[g[base.index(d)] for d in stage_devices] for g in groups]
     found = _has_batch_statistics(graph.layers)
-    if found and micro_batches > 1:
+    if found and run.micro_batches > 1:
         raise ValueError(
             f"Layers {found} keep batch statistics (BatchNormalization): with micro_batches="
-            f"{micro_batches} they would normalise each micro-batch separately and the result "
-            "would differ from the unsplit model. Use micro_batches=1, or LayerNormalization / "
-            "GroupNormalization instead.")
-    strategy = None
-    if replicas > 1:
-        from tfdist import strategies
-
+            f"{run.micro_batches} they would normalise each micro-batch separately and the "
+            "result would differ from the unsplit model. Use micro_batches=1, or "
+            "LayerNormalization / GroupNormalization instead.")
+    if replicas == 1:
+        strategy = None
+    elif strategy is None:
+        # The replicas' strategy, made from the Parallelism: one replica per device group,
+        # on the group's first device.
         strategy = strategies.make_strategy(
-            "mirrored", devices=tuple(g[0] for g in replica_devices))
+            run if run.devices is not None else parallelism_lib.Parallelism(
+                replicas=replicas, devices=tuple(g[0] for g in groups)))
     source_order = _source_order(model, graph)  # before tensor-parallel layers change weights
     layer_map = _place_layers(graph, plan, strategy)
     stages, cuts = graph_lib.cut_into_stages(graph, plan)
@@ -461,8 +575,9 @@ def split_model(model, *, devices: Sequence[str] | None = None,
     with scope:
         split = SplitModel(graph=graph, plan=plan, stages=stages, cuts=cuts,
                            layer_map=layer_map, source_order=source_order,
-                           micro_batches=micro_batches, schedule=schedule,
-                           replica_devices=replica_devices, strategy=strategy)
+                           micro_batches=run.micro_batches, schedule=run.schedule,
+                           replica_devices=replica_devices, groups=groups, strategy=strategy,
+                           parallelism=run)
     from tfdist.split.tensor_parallel import sharded_sublayers
 
     for name, _ in plan.tensor_parallel:
@@ -582,22 +697,23 @@ def split_from_options(model, options, *, devices: Sequence[str] | None = None):
     Returns the model unchanged for split="none", else a SplitModel: "auto"
     balances over `options.stages` devices (default: all logical devices, or
     `devices`), a path loads a SplitPlan file; with sequence_parallel=N a
-    SequenceParallelModel over the first N devices.
+    SequenceParallelModel over the first N devices. The flags describe a
+    `tfdist.Parallelism` (stages and micro-batches, or sequence), which
+    `split_model` runs.
     """
     from tfdist import devices as devices_lib
 
     if not options.enabled:
         return model
     if options.sequence_parallel > 1:
-        from tfdist.split.sequence_parallel import sequence_parallel
-
         pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
         n = options.sequence_parallel
         if n > len(pool):
             raise ValueError(
                 f"sequence_parallel={n} but only {len(pool)} device(s) are available ({pool}). "
                 f"Use --logical_devices={n} or a smaller --sequence_parallel.")
-        return sequence_parallel(model, devices=pool[:n])
+        return split_model(model, parallelism=parallelism_lib.Parallelism(
+            sequence=n, devices=tuple(pool[:n])))
     if options.split == "auto":
         pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
         k = options.stages if options.stages is not None else len(pool)
@@ -605,7 +721,8 @@ def split_from_options(model, options, *, devices: Sequence[str] | None = None):
             raise ValueError(
                 f"stages={k} but only {len(pool)} device(s) are available ({pool}). Use "
                 f"--logical_devices={k} or fewer stages.")
-        return split_model(model, devices=pool[:k], micro_batches=options.micro_batches,
-                           balance_by=options.split_balance)
+        return split_model(model, parallelism=parallelism_lib.Parallelism(
+            stages=k, micro_batches=options.micro_batches, devices=tuple(pool[:k])),
+            balance_by=options.split_balance)
     return split_model(model, plan=plan_lib.SplitPlan.load(options.split),
                        micro_batches=options.micro_batches)

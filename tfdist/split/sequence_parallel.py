@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 from typing import Sequence
 
+from tfdist import parallelism as parallelism_lib
 from tfdist._tf import import_tensorflow
 from tfdist.compat import keras_graph, placed_training
 from tfdist.split import graph as graph_lib
@@ -85,15 +86,18 @@ class SequenceParallelModel(keras.Model):
     Attributes:
       devices: the N devices of replica 0 (slice i on devices[i]).
       replicas: data-parallel replicas (1 = none).
+      parallelism: the `tfdist.Parallelism` it runs (replicas x sequence, devices).
+      strategy: the replicas' strategy (None for one replica).
     """
 
-    def __init__(self, *, graph, replica_devices, strategy, **kwargs):
+    def __init__(self, *, graph, replica_devices, strategy, parallelism=None, **kwargs):
         super().__init__(name=kwargs.pop("name", f"{graph.model.name}_seqpar"), **kwargs)
         self._graph = graph
         self._placed = list(graph.layers.values())  # tracked: the model's own weights
         self.replica_devices = replica_devices
         self.devices = list(replica_devices[0])
         self.replicas = len(replica_devices)
+        self.parallelism = parallelism
         self.strategy = strategy
         self.built = True
 
@@ -235,43 +239,64 @@ def _attention_slice(node, local, values, whole, i, n, length, training):
         local[k] = v
 
 
-def sequence_parallel(model, *, devices: Sequence[str], replicas: int = 1
-                      ) -> SequenceParallelModel:
+def sequence_parallel(model, *, devices: Sequence[str] | None = None,
+                      replicas: int | None = None,
+                      parallelism: parallelism_lib.Parallelism | None = None,
+                      strategy=None) -> SequenceParallelModel:
     """Runs `model` with its transformer layers on slices of the sequence.
 
     The model's own layers run (no copies); with replicas > 1 its variables
     become mirrored variables of a MirroredStrategy over each group's first
-    device.
+    device (made from the `tfdist.Parallelism`).
 
     Args:
       model: a built Functional or Sequential keras.Model.
       devices: R x N device names: N devices share each sequence, R replicas.
       replicas: data-parallel replicas R (MirroredStrategy), default 1.
+      parallelism: `tfdist.Parallelism(replicas=R, sequence=N)` instead of
+        `devices`/`replicas` (devices: its own, else the first R x N).
+      strategy: a strategy `tfdist.make_strategy(parallelism)` made, instead
+        of `parallelism`.
 
     Returns:
       A SequenceParallelModel: compile() and fit() it like the original.
 
     Raises:
-      ValueError: bad devices, or a model input whose sequence length does not
-        divide over N (naming the nearest valid lengths).
+      ValueError: bad devices, a Parallelism with a pipeline or tensor split,
+        or a model input whose sequence length does not divide over N (naming
+        the nearest valid lengths).
 
     Example:
       >>> sp = tfdist.split.sequence_parallel(model, devices=["/cpu:0", "/cpu:1"])
+      >>> sp = tfdist.split.sequence_parallel(model, parallelism=tfdist.Parallelism(sequence=2))
     """
     from tfdist import devices as devices_lib
-    from tfdist.split.pipeline import _check_devices_arg
+    from tfdist.split.pipeline import _check_devices_arg, given_parallelism
 
-    devices = _check_devices_arg(devices)
-    if devices is None:
-        raise ValueError("sequence_parallel needs devices=[...], one per sequence slice.")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas must be an integer >= 1. Received: replicas={replicas!r}")
-    if len(devices) % replicas:
-        raise ValueError(f"{len(devices)} devices cannot be grouped into replicas={replicas} "
-                         f"equal groups. Received: devices={devices}.")
-    devices_lib.resolve_devices(devices)
-    n = len(devices) // replicas
-    groups = [devices[r * n:(r + 1) * n] for r in range(replicas)]
+    dims = given_parallelism(parallelism, strategy, {"devices": devices, "replicas": replicas},
+                             caller="sequence_parallel")
+    if dims is not None:
+        other = [f"{name}={getattr(dims, name)}" for name in ("stages", "tensor", "micro_batches")
+                 if getattr(dims, name) > 1]
+        if other:
+            raise ValueError(
+                f"sequence_parallel cuts sequences (Parallelism(sequence=N)); {dims} has "
+                f"{', '.join(other)}, a pipeline or tensor split: use tfdist.split_model.")
+    else:
+        devices = _check_devices_arg(devices)
+        if devices is None:
+            raise ValueError("sequence_parallel needs devices=[...], one per sequence slice.")
+        replicas = 1 if replicas is None else replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an integer >= 1. Received: replicas={replicas!r}")
+        if len(devices) % replicas:
+            raise ValueError(f"{len(devices)} devices cannot be grouped into replicas={replicas} "
+                             f"equal groups. Received: devices={devices}.")
+        devices_lib.resolve_devices(devices)
+        dims = parallelism_lib.Parallelism(replicas=replicas, sequence=len(devices) // replicas,
+                                           devices=tuple(devices)).resolve()
+    groups = [list(g) for g in dims.replica_groups]
+    n = dims.sequence
     graph = graph_lib.flatten(model)
     if not any(isinstance(l, keras.layers.MultiHeadAttention) or _position_wise(l)
                for l in graph.layers.values()):
@@ -281,11 +306,15 @@ def sequence_parallel(model, *, devices: Sequence[str], replicas: int = 1
     for _, shape, _ in graph.input_specs:
         if len(shape) >= 2 and shape[1] is not None and len(shape) == 3:
             check_length(int(shape[1]), n)
-    strategy = None
-    if replicas > 1:
-        from tfdist import strategies
+    if dims.replicas == 1:
+        strategy = None
+    else:
+        if strategy is None:
+            from tfdist import strategies
 
-        strategy = strategies.make_strategy("mirrored", devices=tuple(g[0] for g in groups))
+            # The replicas' strategy, made from the Parallelism: one replica per group, on
+            # the group's first device.
+            strategy = strategies.make_strategy(dims)
         moved: set[int] = set()
         for layer in graph.layers.values():
             for variable in layer.variables:
@@ -294,4 +323,5 @@ def sequence_parallel(model, *, devices: Sequence[str], replicas: int = 1
                     keras_graph.move_variable(variable, groups[0][0], strategy=strategy)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
-        return SequenceParallelModel(graph=graph, replica_devices=groups, strategy=strategy)
+        return SequenceParallelModel(graph=graph, replica_devices=groups, strategy=strategy,
+                                     parallelism=dims)
