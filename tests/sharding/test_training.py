@@ -58,7 +58,14 @@ def test_two_replicas_equal_one_device(two):
     assert all(row["moved"] > 100 * TOL for row in two["equal"].values())  # it trained
     assert two["batchnorm_diff"] < TOL
     assert two["custom_loop_diff"] < TOL
-    assert two["registered_layer_diff"] < TOL
+    # A layer type not known to be pure is not refused: it keeps its gathered weights until
+    # its backward pass (said once, by name) and trains as on one device; registered, it runs
+    # under keras.remat, equally exact.
+    assert two["unregistered_layer_diff"] < TOL and two["registered_layer_diff"] < TOL
+    [note] = two["unregistered_notes"]
+    assert "layer 'scale" in note and "(__main__._layers.<locals>.Scale)" in note
+    assert "register_gatherable_layer(Scale)" in note
+    assert two["registered_listed"] == "__main__._layers.<locals>.Scale"
 
 
 @pytest.mark.slow
@@ -110,9 +117,6 @@ def test_backup_and_restore_resumes_a_sharded_run_exactly(two):
 
 @pytest.mark.slow
 def test_bad_input_is_a_clear_error(two, four):
-    layer = two["error_layer"]
-    assert layer.startswith("ValueError: ") and "'scale'" in layer and "(Scale)" in layer
-    assert "Supported layers" in layer and "Dense" in layer and "Fix:" in layer
     optimizer = two["error_optimizer"]
     assert optimizer.startswith("ValueError: ") and "Received: Lamb" in optimizer
     assert "Supported: SGD, Adam" in optimizer and "Fix:" in optimizer

@@ -50,12 +50,16 @@ shapes these fixes rely on.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import weakref
 from typing import Any
 
 from tfdist._tf import import_tensorflow
 from tfdist.compat import _owner, _patch
 from tfdist.compat import sharding_collectives as collectives
+
+logger = logging.getLogger("tfdist")
 
 ISSUE = "none upstream: Keras 3's TF backend has no sharded data parallelism (ZeRO)"
 
@@ -68,21 +72,58 @@ _ELEMENTWISE_OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop",
 _extra_optimizers: list[type] = []
 
 # Layers whose call() is a pure function of its inputs and weights (no state updates, no
-# randomness), so gathering the weights inside keras.remat gives the same result twice.
+# randomness), so a layer owning stage-3 weights can run under keras.remat: the weights it
+# gathers are dropped after its forward pass and gathered again for its backward pass (its
+# forward runs twice). Keras's, matched by class (subclasses included) ...
 _GATHERABLE_LAYERS = ["Dense", "EinsumDense", "Embedding", "Conv1D", "Conv2D", "Conv3D",
                       "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
                       "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D",
                       "SeparableConv2D", "LayerNormalization", "GroupNormalization",
                       "RMSNormalization"]
+# ... and KerasHub's weight-owning layers whose call was read and found pure (KerasHub 0.32),
+# matched by module-qualified name along the layer's MRO, so KerasHub is never imported.
+# KerasHub's other weight-owning layers (with a Dropout or DropPath inside, the mixture-of-
+# experts blocks, attention layers owning their projections, ...) and BatchNormalization run
+# without remat: they gather on every read of a weight and keep what they gathered until
+# their backward pass, which is exact for any layer and costs that layer's whole weights
+# between its forward and backward passes.
+_KERAS_HUB_GATHERABLE = (
+    "keras_hub.src.layers.modeling.masked_lm_head.MaskedLMHead",
+    "keras_hub.src.layers.modeling.position_embedding.PositionEmbedding",
+    "keras_hub.src.layers.modeling.rms_normalization.RMSNormalization",
+    "keras_hub.src.models.dinov2.dinov2_layers.DINOV2LayerScale",
+    "keras_hub.src.models.dinov3.dinov3_layers.DINOV3LayerScale",
+    "keras_hub.src.models.gemma.rms_normalization.RMSNormalization",
+    "keras_hub.src.models.gemma3.gemma3_layers.RMSNormalization",
+    "keras_hub.src.models.gpt_oss.gpt_oss_layer_norm.GptOssLayerNormalization",
+    "keras_hub.src.models.llama.llama_layernorm.LlamaLayerNorm",
+    "keras_hub.src.models.mistral.mistral_layer_norm.MistralLayerNormalization",
+    "keras_hub.src.models.mixtral.mixtral_layer_norm.MixtralLayerNormalization",
+    "keras_hub.src.models.phi3.phi3_layernorm.Phi3LayerNorm",
+    "keras_hub.src.models.qwen.qwen_layernorm.QwenLayerNorm",
+    "keras_hub.src.models.qwen3.qwen3_layernorm.Qwen3LayerNorm",
+    "keras_hub.src.models.qwen3_moe.qwen3_moe_layernorm.Qwen3MoeLayerNorm",
+    "keras_hub.src.models.qwen_moe.qwen_moe_layernorm.QwenMoeLayerNorm",
+    "keras_hub.src.models.roformer_v2.roformer_v2_attention.RoformerNorm",
+    "keras_hub.src.models.t5.t5_layer_norm.T5LayerNorm",
+    "keras_hub.src.models.vit.vit_layers.ViTPatchingAndEmbedding",
+    "keras_hub.src.models.vit_det.vit_layers.AddPositionalEmbedding",
+)
 _extra_layers: list[type] = []
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def supported_optimizers() -> tuple[str, ...]:
     return tuple(_ELEMENTWISE_OPTIMIZERS) + tuple(c.__name__ for c in _extra_optimizers)
 
 
-def supported_layers() -> tuple[str, ...]:
-    return tuple(_GATHERABLE_LAYERS) + tuple(c.__name__ for c in _extra_layers)
+def gatherable_layers() -> tuple[str, ...]:
+    """Module-qualified names of the layer classes run under keras.remat at stage 3."""
+    return (tuple(f"keras.layers.{n}" for n in _GATHERABLE_LAYERS) + _KERAS_HUB_GATHERABLE
+            + tuple(_qualified(c) for c in _extra_layers))
 
 
 def register_elementwise_optimizer(cls: type) -> type:
@@ -94,6 +135,10 @@ def register_elementwise_optimizer(cls: type) -> type:
 
 def register_gatherable_layer(cls: type) -> type:
     """Declares that `cls.call` is a pure function of its inputs and weights."""
+    if not isinstance(cls, type):
+        raise ValueError("register_gatherable_layer takes a layer class. Received: "
+                         f"{cls!r} ({type(cls).__name__}). Fix: pass the class, e.g. "
+                         "register_gatherable_layer(MyLayer).")
     if cls not in _extra_layers:
         _extra_layers.append(cls)
     return cls
@@ -103,6 +148,13 @@ def _keras_classes(names: list[str]) -> tuple[type, ...]:
     import keras
 
     return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
+
+
+def is_gatherable(layer: Any) -> bool:
+    """True if `layer` may run under keras.remat (its call is known to be pure)."""
+    if isinstance(layer, _keras_classes(_GATHERABLE_LAYERS) + tuple(_extra_layers)):
+        return True
+    return any(_qualified(cls) in _KERAS_HUB_GATHERABLE for cls in type(layer).__mro__)
 
 
 def check_optimizer(optimizer: Any, *, stage: int) -> None:
@@ -144,22 +196,6 @@ def check_optimizer(optimizer: Any, *, stage: int) -> None:
                 "use shard='gradients'.")
 
 
-def check_layer(layer: Any) -> None:
-    """Raises ValueError if `layer` owns stage-3 weights but cannot gather them per call."""
-    supported = _keras_classes(_GATHERABLE_LAYERS) + tuple(_extra_layers)
-    if isinstance(layer, supported):
-        return
-    names = [v.path for v in _own_sharded(layer)]
-    raise ValueError(
-        f"shard='parameters' gathers each layer's weights inside its call and again in the "
-        f"backward pass, which is only safe for layers whose call is a pure function of its "
-        f"inputs and weights. Received: layer {layer.name!r} ({type(layer).__name__}) owns "
-        f"sharded weights {', '.join(names)}. Supported layers (and subclasses): "
-        f"{', '.join(supported_layers())}. Fix: keep its weights replicated by raising "
-        "shard_min_bytes above their size, use shard='gradients', or declare the layer "
-        "with tfdist.sharding.register_gatherable_layer(YourLayer) if its call is pure.")
-
-
 # --- the storage ----------------------------------------------------------------------
 
 
@@ -168,6 +204,35 @@ def _strategy_replica_context(strategy: Any) -> bool:
     tf = import_tensorflow()
     context = tf.distribute.get_replica_context()
     return context is not None and context.strategy is strategy
+
+
+_storages_made = [0]  # > 0 once any sharded variable exists in this process (fast path)
+_export_state = threading.local()
+
+
+def _exporting() -> bool:
+    """True while model.export / ExportArchive.write_out / tf.saved_model.save runs."""
+    return getattr(_export_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def exporting():
+    """Sharded variables read as whole, plain variables (`export_variable`) in this block.
+
+    Nested blocks share the outermost one's copies, which are dropped when it ends.
+    """
+    depth = getattr(_export_state, "depth", 0)
+    if depth == 0:
+        _export_state.copies = []
+    _export_state.depth = depth + 1
+    try:
+        yield
+    finally:
+        _export_state.depth = depth
+        if depth == 0:
+            for storage in _export_state.copies:
+                storage._export_copy = None
+            _export_state.copies = []
 
 
 def _in_symbolic_scope() -> bool:
@@ -200,6 +265,9 @@ class ShardedStorage:
         self._trainable = trainable
         self.kind = kind
         self._unique_id = f"tfdist_sharded/{self.components[0]._unique_id}"
+        self._variable = None  # weakref to the Keras variable this stores (stage-3 weights)
+        self._export_copy = None  # the whole variable, during an export only
+        _storages_made[0] += 1
 
     @classmethod
     def create(cls, *, strategy, plan, value, shape, dtype, name: str, trainable: bool,
@@ -255,8 +323,15 @@ class ShardedStorage:
     def trainable(self) -> bool:
         return self._trainable
 
+    def trains(self) -> bool:
+        """False once the Keras variable it stores is frozen (e.g. a LoRA base weight)."""
+        variable = self._variable() if self._variable is not None else None
+        return self._trainable if variable is None else bool(variable.trainable)
+
     @property
     def device(self) -> str:
+        if _exporting():
+            return self.export_variable().device
         return self.local().device
 
     @property
@@ -265,7 +340,12 @@ class ShardedStorage:
 
     @property
     def handle(self):
-        """The replica's own shard's handle (what a GradientTape differentiates against)."""
+        """The replica's own shard's handle (what a GradientTape differentiates against).
+
+        During a SavedModel export: the handle of the whole copy it is exported as.
+        """
+        if _exporting() and not _strategy_replica_context(self._strategy):
+            return self.export_variable().handle
         return self.local().handle
 
     def local(self):
@@ -286,6 +366,8 @@ class ShardedStorage:
                 value = self.local().read_value()
             else:
                 value = gather_parameter(self)
+        elif _exporting():
+            value = self.export_variable().read_value()
         else:
             value = self.whole()
         if dtype is not None and dtype != value.dtype:
@@ -377,15 +459,58 @@ class ShardedStorage:
     def _restore_from_tensors(self, restored_tensors):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
-    def _export_to_saved_model_graph(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"Variable {self._name!r} is sharded over replicas (tfdist shard=...), and a "
-            "SavedModel needs whole variables. Fix: load the weights into an unsharded model "
-            "(model.save_weights, then load_weights into the same model built without "
-            "sharding) and export that one.")
+    # -- SavedModel export: a whole, plain variable in place of the shards ------------
+
+    def export_variable(self):
+        """The whole variable as one plain variable on the host, made once per export.
+
+        Only during `model.export` / `tf.saved_model.save` (see `exporting`): the
+        functions they trace read it, and the SavedModel holds it, so the
+        exported model has whole variables and no collectives. Dropped when the
+        export ends. Under multi_worker_mirrored reading the whole value is a
+        collective: every worker exports, as every worker saves a checkpoint.
+        """
+        if not _exporting():
+            raise ValueError(
+                f"The export copy of sharded variable {self._name!r} exists only while "
+                "model.export or tf.saved_model.save runs.")
+        if self._export_copy is None:
+            tf = import_tensorflow()
+            with tf.init_scope():  # eager, also while an export traces a function
+                value = self.whole()
+                with self._strategy.scope(), tf.variable_creator_scope(
+                        _on_one_device(self.plan.host_device)):
+                    self._export_copy = tf.Variable(value, trainable=self.trains(),
+                                                    name=self._name, dtype=self._dtype)
+            _export_state.copies.append(self)
+        return self._export_copy
+
+    def _export_to_saved_model_graph(self, object_map=None, tensor_map=None, options=None,
+                                     **kwargs):
+        if self._export_copy is None:
+            raise NotImplementedError(
+                f"Variable {self._name!r} is sharded over replicas (tfdist shard=...) and "
+                "this SavedModel writer did not gather it: tfdist gathers sharded variables "
+                "into whole ones inside model.export, keras.export.ExportArchive.write_out "
+                "and tf.saved_model.save (the functions must be traced there too, not "
+                "before). Fix: export with one of those, or load the weights into the "
+                "same model built without sharding and export that one.")
+        copy = self._export_copy
+        resources = copy._export_to_saved_model_graph(object_map=object_map,
+                                                      tensor_map=tensor_map, options=options,
+                                                      **kwargs)
+        object_map[self] = object_map[copy]
+        return resources
+
+    def _write_object_proto(self, proto, options):
+        return self.export_variable()._write_object_proto(proto, options)
 
     def _copy_trackable_to_cpu(self, object_map):
-        self._export_to_saved_model_graph()
+        raise NotImplementedError(
+            f"Variable {self._name!r} is sharded over replicas (tfdist shard=...); "
+            "asynchronous checkpoints (CheckpointOptions(experimental_enable_async_"
+            "checkpoint=True)) copy each variable to the CPU as it is stored, which a "
+            "sharded variable is not. Fix: write the checkpoint synchronously.")
 
 
 def _tensor_method(name: str):
@@ -435,7 +560,11 @@ def gather_parameter(storage: ShardedStorage):
 
         return whole, grad
 
-    whole = gather(storage.local().read_value())
+    block = storage.local().read_value()
+    if storage.trains():
+        whole = gather(block)
+    else:  # frozen: no gradient, so no reduce-scatter in the backward pass
+        whole = tf.stop_gradient(collectives.all_gather(strategy, block))
     return tf.reshape(whole[:layout.num_elements], layout.shape)
 
 
@@ -592,6 +721,7 @@ def _variable_make(original):
         self._value = ShardedStorage.create(
             strategy=strategy, plan=plan, value=whole.read_value(), shape=whole.shape,
             dtype=whole.dtype, name=self.name, trainable=True, kind="parameter")
+        self._value._variable = weakref.ref(self)
         del whole
         _parameters_made[0] += 1
 
@@ -672,6 +802,25 @@ def _call_check(original) -> None:
     _patch.require_signature(original, "args", "kwargs", what="keras Operation.__call__")
 
 
+_logged_classes: set = set()
+
+
+def _note_kept(layer) -> None:
+    """Says once per class that a layer keeps its gathered weights until its backward pass."""
+    cls = type(layer)
+    if cls in _logged_classes:
+        return
+    _logged_classes.add(cls)
+    logger.info(
+        "shard='parameters': layer %r (%s) is not known to have a pure call, so it runs without "
+        "rematerialisation: it gathers its sharded weights (%s) when it reads them and keeps "
+        "them until its backward pass. Exact; it costs those weights' whole size in between. "
+        "If its call is a pure function of its inputs and weights, "
+        "tfdist.sharding.register_gatherable_layer(%s) drops them after the forward pass.",
+        layer.name, _qualified(cls), ", ".join(v.path for v in _own_sharded(layer)),
+        cls.__name__)
+
+
 def _call_make(original):
     import keras
 
@@ -681,9 +830,14 @@ def _call_make(original):
     @_patch.passthrough(original, applies)
     def __call__(self, *args, **kwargs):
         tf = import_tensorflow()
-        check_layer(self)
         strategy = _own_sharded(self)[0]._value._strategy
         if not _strategy_replica_context(strategy):
+            return original(self, *args, **kwargs)
+        if not is_gatherable(self):
+            # Each read of a sharded weight gathers it (gather_parameter); the tape keeps
+            # the gathered value for the backward pass, and the layer's state updates and
+            # random draws happen once, as without sharding.
+            _note_kept(self)
             return original(self, *args, **kwargs)
         # keras.remat differentiates its positional arguments: pass the float tensors
         # (inputs whose gradient flows back), keep everything else (ids, masks, flags) in
@@ -709,11 +863,87 @@ def _call_make(original):
 CALL_FIX = _patch.Fix(name="sharding_variables.layer_call", issue=ISSUE,
                       target=_call_target, check=_call_check, make=_call_make)
 
-FIXES = (SLOT_FIX, VARIABLE_FIX, DECAY_FIX, CALL_FIX)
+# --- fixes 5 and 6: a SavedModel gets whole variables -----------------------------------
+
+
+def _copy_reachable(root) -> None:
+    """Makes the export copy of every sharded variable reachable from `root`, eagerly.
+
+    Before any function is traced: a variable first made inside a trace would
+    belong to that trace. Optimizer slots get theirs too (a SavedModel of a
+    model holds them, and no function reads them).
+    """
+    tf = import_tensorflow()
+    for trackable in tf.train.TrackableView(root).descendants():
+        storage = sharded_storage(trackable)
+        if storage is not None:
+            storage.export_variable()
+
+
+def _save_target():
+    import_tensorflow()
+    from tensorflow.python.saved_model import save
+
+    return save, "save_and_return_nodes"
+
+
+def _save_check(original) -> None:
+    tf = import_tensorflow()
+    _patch.require_signature(original, "obj", "export_dir", "signatures", "options",
+                             "experimental_skip_checkpoint",
+                             what="tensorflow saved_model save_and_return_nodes")
+    _patch.require_attributes(tf.train, "TrackableView", what="tf.train")
+
+
+def _save_make(original):
+    def applies(obj, *args, **kwargs):
+        return _storages_made[0] > 0
+
+    @_patch.passthrough(original, applies)
+    def save_and_return_nodes(obj, *args, **kwargs):
+        with exporting():
+            _copy_reachable(obj)
+            return original(obj, *args, **kwargs)
+
+    return save_and_return_nodes
+
+
+SAVE_FIX = _patch.Fix(name="sharding_variables.saved_model_save", issue=ISSUE,
+                      target=_save_target, check=_save_check, make=_save_make)
+
+
+def _write_out_target():
+    from tfdist.compat import keras_files
+
+    return keras_files._export_archive_class(), "write_out"
+
+
+def _write_out_make(original):
+    def applies(self, *args, **kwargs):
+        return _storages_made[0] > 0
+
+    @_patch.passthrough(original, applies)
+    def write_out(self, *args, **kwargs):
+        # Keras traces the endpoints here, before tf.saved_model.save: they must read the
+        # whole copies too.
+        with exporting():
+            _copy_reachable(getattr(self, "_tf_trackable", self))
+            return original(self, *args, **kwargs)
+
+    return write_out
+
+
+WRITE_OUT_FIX = _patch.Fix(
+    name="sharding_variables.export_write_out", issue=ISSUE, target=_write_out_target,
+    check=lambda original: _patch.require_signature(original, "filepath", "options",
+                                                    "verbose", what="ExportArchive.write_out"),
+    make=_write_out_make)
+
+FIXES = (SLOT_FIX, VARIABLE_FIX, DECAY_FIX, CALL_FIX, SAVE_FIX, WRITE_OUT_FIX)
 
 
 def install() -> None:
-    """Installs the four fixes (idempotent)."""
+    """Installs the six fixes (idempotent)."""
     collectives.check_supported()
     for fix in FIXES:
         _patch.install(fix)

@@ -37,8 +37,8 @@ __all__ = [
     "attach",
     "plan_of",
     "register_elementwise_optimizer",
+    "gatherable_layers",
     "register_gatherable_layer",
-    "supported_layers",
     "supported_optimizers",
 ]
 
@@ -98,9 +98,11 @@ def register_elementwise_optimizer(cls: type) -> type:
 def register_gatherable_layer(cls: type) -> type:
     """Declares a layer class whose `call` is a pure function of inputs and weights.
 
-    shard="parameters" runs such a layer's call twice (forward, and again to
-    gather its weights for the backward pass): it must not update state or
-    draw random numbers.
+    At shard="parameters" such a layer runs under `keras.remat`: the weights
+    it gathers are dropped after its forward pass and gathered again for its
+    backward pass, so its call runs twice and must not update state or draw
+    random numbers. Every other layer is exact too, but keeps its gathered
+    weights from its forward to its backward pass. Usable as a decorator.
     """
     from tfdist.compat import sharding_variables
 
@@ -114,8 +116,15 @@ def supported_optimizers() -> tuple[str, ...]:
     return sharding_variables.supported_optimizers()
 
 
-def supported_layers() -> tuple[str, ...]:
-    """Layer classes that may own weights sharded by shard="parameters"."""
+def gatherable_layers() -> tuple[str, ...]:
+    """Layer classes (module-qualified) that drop their gathered weights after the forward pass.
+
+    Keras's Dense, EinsumDense, Embedding, convolutions and normalizations (and
+    their subclasses), the KerasHub layers whose call is pure (position
+    embeddings, its RMS and layer norms, ViT's patch embedding, ...), and the
+    classes given to `register_gatherable_layer`. Other layers are not refused:
+    they keep their gathered weights until their backward pass.
+    """
     from tfdist.compat import sharding_variables
 
-    return sharding_variables.supported_layers()
+    return sharding_variables.gatherable_layers()
