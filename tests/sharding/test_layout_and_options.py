@@ -166,3 +166,44 @@ def test_canary_tensorflow_has_no_cpu_reduce_scatter():
     result = run_python("-c", _CANARY, timeout=120)
     assert "REDUCE_SCATTER_FAILS" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "did not find collective implementation" in result.stdout
+
+
+def test_gatherable_layers_name_real_classes_and_match_by_class():
+    # Which layers run under keras.remat at stage 3 (the others keep their gathered weights
+    # until their backward pass). Every KerasHub name is a class of the installed KerasHub;
+    # Gemma's own RMSNormalization (not Keras's) is matched, Keras's by class, a subclass too.
+    import importlib
+
+    import keras
+
+    from tests import zoo
+    from tfdist import sharding
+    from tfdist.compat import sharding_variables
+
+    names = sharding.gatherable_layers()
+    assert "keras.layers.RMSNormalization" in names
+    assert "keras_hub.src.models.gemma.rms_normalization.RMSNormalization" in names
+    assert sharding_variables.is_gatherable(keras.layers.Dense(2))
+
+    class Scaled(keras.layers.Dense):
+        pass
+
+    class Impure(keras.layers.Layer):
+        pass
+
+    assert sharding_variables.is_gatherable(Scaled(2))
+    assert not sharding_variables.is_gatherable(Impure())
+    assert not sharding_variables.is_gatherable(keras.layers.BatchNormalization())
+    with pytest.raises(ValueError, match=r"takes a layer class\. Received: .*Fix: pass"):
+        sharding.register_gatherable_layer(Impure())
+    if not zoo.AVAILABLE:
+        pytest.skip(zoo.SKIP_REASON)
+    for name in names:
+        if name.startswith("keras_hub."):
+            module, _, cls = name.rpartition(".")
+            layer_class = getattr(importlib.import_module(module), cls)
+            assert issubclass(layer_class, keras.layers.Layer), name
+    from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
+
+    assert sharding_variables.is_gatherable(RMSNormalization())
+    assert not issubclass(RMSNormalization, keras.layers.RMSNormalization)

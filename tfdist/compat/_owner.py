@@ -42,7 +42,7 @@ def strategy_of_variable(variable: Any) -> Any:
 
     Keras variables wrap a TensorFlow variable in `_value`; distributed and
     parameter-server variables record their strategy in `_distribute_strategy`;
-    a ShardedVariable's shards do.
+    a ShardedVariable's shards do; a sharded (ZeRO) variable's storage names it.
     """
     value = getattr(variable, "_value", variable)
     strategy = getattr(value, "_distribute_strategy", None)
@@ -50,4 +50,9 @@ def strategy_of_variable(variable: Any) -> Any:
         shards = getattr(value, "variables", None)
         if isinstance(shards, (list, tuple)) and shards:
             strategy = getattr(shards[0], "_distribute_strategy", None)
+    if strategy is None:  # a variable tfdist.sharding stores as one shard per replica
+        from tfdist.compat import sharding_variables
+
+        storage = sharding_variables.sharded_storage(variable)
+        strategy = storage.strategy if storage is not None else None
     return strategy

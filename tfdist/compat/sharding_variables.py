@@ -307,6 +307,11 @@ class ShardedStorage:
     # -- what Keras and TensorFlow read -----------------------------------------------
 
     @property
+    def strategy(self):
+        """The strategy whose replicas hold the shards."""
+        return self._strategy
+
+    @property
     def dtype(self):
         return self._dtype
 
