@@ -1,6 +1,6 @@
 """The KerasHub zoo under `mirrored` x2 against one device, in one fresh process.
 
-    python tests/numerics/run_zoo.py [--families GPT2,ViT,...] [--unfixed]
+    python tests/numerics/run_zoo.py [--families GPT2,ViT,...] [--unfixed] [--shard parameters]
 
 For each family (tests/zoo.py): the same initial weights, 3 steps at global
 batch 8 (2 logical CPUs), and
@@ -16,8 +16,9 @@ batch 8 (2 logical CPUs), and
 - spread: the largest difference between the two replicas' copies.
 
 `--unfixed` uninstalls tfdist's optimizer-update and BatchNorm fixes first
-(the issue's baseline). Prints one `ROW {json}` line per family and a
-`COUNTS {json}` line at the end.
+(the issue's baseline). `--shard parameters` (or optimizer, gradients) runs
+the distributed side with ZeRO sharding of every variable. Prints one
+`ROW {json}` line per family and a `COUNTS {json}` line at the end.
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def main():
                         help="MoE families with their load-balancing loss coefficient at 0")
     parser.add_argument("--unfixed", action="store_true",
                         help="uninstall tfdist's optimizer-update and BatchNorm fixes")
+    parser.add_argument("--shard", default="none",
+                        help="the distributed runs shard their state (optimizer, gradients or "
+                             "parameters: ZeRO-1/2/3), every variable (shard_min_bytes=0)")
     args = parser.parse_args()
 
     import tfdist
@@ -153,8 +157,9 @@ def main():
         print("SKIP " + zoo.SKIP_REASON)
         return
     one = tf.distribute.get_strategy()
-    mirrored = tfdist.make_strategy("mirrored", num_devices=2)
-    synced = tfdist.make_strategy("mirrored", num_devices=2, sync_batch_norm=True)
+    sharding = ({"shard": args.shard, "shard_min_bytes": 0} if args.shard != "none" else {})
+    mirrored = tfdist.make_strategy("mirrored", num_devices=2, **sharding)
+    synced = tfdist.make_strategy("mirrored", num_devices=2, sync_batch_norm=True, **sharding)
     names = [n for n in args.families.split(",") if n] or list(zoo.FAMILIES)
     rows = []
     for name in names:

@@ -252,6 +252,24 @@ def case_mirrored2(out: dict) -> None:
     # Checkpoints: sharded -> unsharded and back, tf.train.Checkpoint and .keras.
     tmp = tempfile.mkdtemp()
     trained = models[("adam", "parameters")]
+
+    # SavedModels of the stage-3 model: model.export and tf.saved_model.save (which holds the
+    # optimizer's sharded slots too) serve what predict computes, with whole variables.
+    x, _ = data()
+    predicted = trained.predict(x[:16], verbose=0)
+    trained.export(os.path.join(tmp, "export"), verbose=False)
+    exported = tf.saved_model.load(os.path.join(tmp, "export"))
+    out["export_diff"] = float(np.max(np.abs(exported.serve(x[:16]).numpy() - predicted)))
+    tf.saved_model.save(trained, os.path.join(tmp, "saved_model"))
+    saved = tf.saved_model.load(os.path.join(tmp, "saved_model"))
+    [served] = saved.signatures["serving_default"](tf.constant(x[:16])).values()
+    out["saved_model_diff"] = float(np.max(np.abs(served.numpy() - predicted)))
+    stored = tf.train.list_variables(os.path.join(tmp, "saved_model", "variables",
+                                                  "variables"))
+    out["saved_model_shapes"] = sorted({tuple(shape) for _, shape in stored})
+    out["export_left_sharded"] = all(
+        type(v.value).__name__ == "ShardedStorage" for v in trained.trainable_weights
+        if v.shape.num_elements() * 4 >= MIN_BYTES)
     path = tf.train.Checkpoint(model=trained, optimizer=trained.optimizer).write(
         os.path.join(tmp, "sharded"))
     plain_strategy = tfdist.make_strategy("mirrored", num_devices=2)

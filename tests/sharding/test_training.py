@@ -109,6 +109,16 @@ def test_checkpoints_move_between_sharded_and_unsharded(two):
 
 
 @pytest.mark.slow
+def test_savedmodels_of_a_stage3_model_serve_what_predict_computes(two):
+    # model.export (TF Serving) and tf.saved_model.save gather the shards as saving does: the
+    # SavedModel holds whole variables (the embedding's (64, 32) among them) and serves
+    # predict's outputs; the trained model stays sharded afterwards.
+    assert two["export_diff"] <= 1e-6 and two["saved_model_diff"] <= 1e-6
+    assert [64, 32] in two["saved_model_shapes"]
+    assert two["export_left_sharded"]
+
+
+@pytest.mark.slow
 def test_backup_and_restore_resumes_a_sharded_run_exactly(two):
     assert two["backup_interrupted_diff"] > 100 * TOL  # the interrupted run really stopped
     assert two["backup_initial_epoch"] == 1

@@ -370,7 +370,8 @@ class ShardedStorage:
             if self.kind == "slot":
                 value = self.local().read_value()
             else:
-                value = gather_parameter(self)
+                with _in_layer_graph():
+                    value = gather_parameter(self)
         elif _exporting():
             value = self.export_variable().read_value()
         else:
@@ -548,6 +549,42 @@ def _on_one_device(device: str):
         return next_creator(**kwargs)
 
     return creator
+
+
+_layer_graphs = threading.local()
+
+
+@contextlib.contextmanager
+def _layer_graph():
+    """Records the graph a layer's call runs in (see `_in_layer_graph`)."""
+    tf = import_tensorflow()
+    stack = getattr(_layer_graphs, "stack", None)
+    if stack is None:
+        stack = _layer_graphs.stack = []
+    stack.append(tf.compat.v1.get_default_graph())
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _in_layer_graph():
+    """The graph of the innermost layer call, if the weight is read in a function nested in it.
+
+    A layer may run part of its call as a nested `tf.function`, XLA-compiled
+    ones included (Keras's TF backend compiles grouped convolutions on CPU with
+    XLA), where a collective cannot run. The gather is then built in the
+    layer's own graph and the nested function captures the whole weight.
+    """
+    tf = import_tensorflow()
+    stack = getattr(_layer_graphs, "stack", None)
+    current = tf.compat.v1.get_default_graph()
+    if not stack or stack[-1] is current:
+        return contextlib.nullcontext()
+    graph = current
+    while graph is not None and graph is not stack[-1]:
+        graph = getattr(graph, "outer_graph", None)
+    return stack[-1].as_default() if graph is not None else contextlib.nullcontext()
 
 
 def gather_parameter(storage: ShardedStorage):
@@ -843,7 +880,8 @@ def _call_make(original):
             # the gathered value for the backward pass, and the layer's state updates and
             # random draws happen once, as without sharding.
             _note_kept(self)
-            return original(self, *args, **kwargs)
+            with _layer_graph():
+                return original(self, *args, **kwargs)
         # keras.remat differentiates its positional arguments: pass the float tensors
         # (inputs whose gradient flows back), keep everything else (ids, masks, flags) in
         # the closure; a layer with no float input (Embedding) gets a dummy one.
@@ -857,7 +895,8 @@ def _call_make(original):
             for position, tensor in zip(positions, tensors):
                 items[position] = tensor
             call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), items)
-            return original(self, *call_args, **call_kwargs)
+            with _layer_graph():  # also when remat runs it again for the backward pass
+                return original(self, *call_args, **call_kwargs)
 
         # Forward: gather, compute, drop the gathered weights. Backward: gather again.
         return keras.remat(call)(*inputs)

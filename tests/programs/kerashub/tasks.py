@@ -240,7 +240,7 @@ def _resnet():
     import keras_hub
 
     backbone = keras_hub.models.ResNetBackbone(
-        input_conv_filters=[16], input_conv_kernel_sizes=[3], stackwise_num_filters=[16, 16],
+        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 16],
         stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
         image_shape=IMAGE)
     return keras_hub.models.ResNetImageClassifier(backbone=backbone, num_classes=CLASSES)
