@@ -9,8 +9,11 @@ involved, the way users' own code does:
   duplicate indices; BatchNormalization; Dense; Adam; a metric) with `fit`,
   `evaluate` and `predict`;
 - the same model with a custom GradientTape loop;
+- the same model with Keras's `BackupAndRestore`, interrupted and resumed;
 - the same model under the user's own `tf.distribute.MirroredStrategy` on
-  two logical CPUs, made after tfdist's strategy.
+  two logical CPUs, made after tfdist's strategy;
+- the `fit` model and the user's MirroredStrategy model exported with
+  `model.export` and `tf.saved_model.save`, and served.
 Every weight, optimizer variable, loss and metric value goes to FILE.npz;
 the test compares them bit for bit with a process that never imported tfdist.
 Initial weights come from a seeded numpy generator, so no random state that
@@ -60,6 +63,25 @@ def _state(prefix, model, optimizer, out):
         out[f"{prefix}/optimizer{i}"] = v.numpy()
 
 
+def _serve(prefix, model, inputs, out):
+    """What a SavedModel of the model serves: `model.export` and `tf.saved_model.save`."""
+    import tempfile
+
+    import tensorflow as tf
+
+    directory = tempfile.mkdtemp()
+    model.export(os.path.join(directory, "export"), verbose=False)
+    exported = tf.saved_model.load(os.path.join(directory, "export"))
+    out[f"{prefix}/export"] = exported.serve(inputs).numpy()
+    tf.saved_model.save(model, os.path.join(directory, "saved_model"))
+    saved = tf.saved_model.load(os.path.join(directory, "saved_model"))
+    serve = saved.signatures["serving_default"]  # takes its inputs by name
+    by_dtype = {tensor.dtype.name: tensor for tensor in map(tf.constant, inputs)}
+    [served] = serve(**{name: by_dtype[spec.dtype.name] for name, spec in
+                        serve.structured_input_signature[1].items()}).values()
+    out[f"{prefix}/saved_model"] = served.numpy()
+
+
 def train(out: dict, *, user_mirrored: bool = True) -> None:
     """Plain Keras and TensorFlow, as a user writes them."""
     import keras
@@ -78,6 +100,7 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
     out["fit/evaluate"] = np.asarray(model.evaluate([ids, x], y, batch_size=BATCH, verbose=0))
     out["fit/predict"] = model.predict([ids, x], batch_size=BATCH, verbose=0)
     _state("fit", model, optimizer, out)
+    _serve("fit", model, [ids[:BATCH], x[:BATCH]], out)
 
     # 2. a custom training loop with GradientTape and a metric.
     model = _model()
@@ -143,6 +166,7 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
     for key, values in history.history.items():
         out[f"user_mirrored/history/{key}"] = np.asarray(values)
     _state("user_mirrored", model, optimizer, out)
+    _serve("user_mirrored", model, [ids[:BATCH], x[:BATCH]], out)
 
 
 def main() -> int:

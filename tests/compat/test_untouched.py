@@ -2,7 +2,8 @@
 
 - After making each preset in a process, plain Keras code there (fit /
   evaluate / predict, a custom GradientTape loop, a user's own
-  MirroredStrategy made afterwards) gives results bit-identical to a process
+  MirroredStrategy made afterwards, SavedModels of both from `model.export`
+  and `tf.saved_model.save`, served) gives results bit-identical to a process
   that never imported tfdist. Negative control: opting the plain optimizers
   in to tfdist's sparse-gradient fix changes every result, so the comparison
   does see a fix that applies where it should not.
