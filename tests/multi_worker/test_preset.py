@@ -144,7 +144,7 @@ def test_backup_refuses_a_dataset_that_was_not_advanced(tmp_path):
     model.fit(backup.dataset(ds), epochs=1, steps_per_epoch=2, callbacks=[backup], verbose=0,
               shuffle=False)
     state = json.loads((tmp_path / "tfdist_backup.json").read_text())
-    assert (state["epoch"], state["steps_per_epoch"]) == (1, 2)
+    assert (state["step"], state["steps_per_epoch"]) == (2, 2)  # one epoch of two steps
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
 
     again = BackupAndRestore(str(tmp_path), delete_on_finish=False)
