@@ -16,7 +16,12 @@ mode, which fails on scalars with "Invalid reduction dimension 0 for input
 with 0 dimensions". `_make_function` hard-codes "auto", so
 `model.distribute_reduction_method` does not help. Fix: use axis=None (the
 mean over replicas) for scalars; tensors with a batch dimension keep Keras's
-axis=0.
+axis=0. A variable (a metric whose `result()` returns its own variable,
+keras.io's `CategoricalTruePositives`) holds one value for every replica and
+worker already and is returned as it is, as Keras does on one machine (Keras's
+multi-worker path fails on it with "Invalid reduction dimension 0", and
+TensorFlow's `strategy.reduce(..., axis=None)` with "Cannot convert
+`input_tensor` to a `PerReplica` object because it doesn't have device set").
 
 `install()` is idempotent and is called by the multi_worker_mirrored preset
 (with `keras_build`'s fix), never at `import tfdist`;
@@ -62,6 +67,7 @@ def _make_reduce_per_replica(original):
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
+    import keras
     from keras import tree
 
     def applies(values, strategy, reduction):
@@ -70,6 +76,13 @@ def _make_reduce_per_replica(original):
     @_patch.passthrough(original, applies)
     def reduce_per_replica(values, strategy, reduction):
         def _reduce(v):
+            if isinstance(v, (tf.Variable, keras.Variable)):
+                # A metric whose `result()` returns its own variable (keras.io's
+                # CategoricalTruePositives): read across replicas and workers, it holds one
+                # value already; strategy.reduce refuses it ("Cannot convert `input_tensor`
+                # to a `PerReplica` object"). Tensors are per worker even when not
+                # PerReplica (one local replica), so they are still reduced.
+                return v
             local = (strategy.experimental_local_results(v)[0]
                      if isinstance(v, tf.distribute.DistributedValues) else v)
             if tf.is_tensor(local) and local.shape.rank == 0:
