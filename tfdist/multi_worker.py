@@ -16,6 +16,11 @@ What tfdist adds to `tf.distribute.MultiWorkerMirroredStrategy()`:
   task's own address, and SIGKILLs the task after `join_timeout` seconds.
 - This task's port is checked first: taken, it is a ValueError naming the
   port instead of TensorFlow's "Could not start gRPC server".
+- A second strategy in the same process (keras.io's guides make one per
+  `run_training()` call) runs on the server the first one started, with
+  collective keys of its own (tfdist.compat.collective_keys); TensorFlow's own
+  constructor would reconfigure the running server. It must come from the
+  same TF_CONFIG: TensorFlow serves one cluster per process.
 """
 
 from __future__ import annotations
@@ -233,6 +238,8 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
             "on a machine with no GPU. Use communication='ring' or 'auto'.")
     from tfdist.compat import tf_state
 
+    if config is not None and _joined_cluster is not None:
+        return _another_strategy(tf, config, options)
     if config is not None and tf_state.runtime_started():
         raise RuntimeError(
             "MultiWorkerMirroredStrategy must be created before TensorFlow's runtime starts "
@@ -252,4 +259,35 @@ def build_strategy(options: config_lib.MultiWorkerMirroredOptions):
     # TensorFlow's coordination agent installed a C++ SIGTERM handler that only records
     # the signal; outside a fit with a backup, SIGTERM ends the process again.
     preemption.default_sigterm()
+    if config is not None:
+        _set_joined_cluster(config)
+    return strategy
+
+
+# The TF_CONFIG this process's first multi-worker strategy joined: its server runs until the
+# process ends, and later strategies in the same process run on it.
+_joined_cluster: cluster_lib.TFConfig | None = None
+
+
+def _set_joined_cluster(config: cluster_lib.TFConfig) -> None:
+    global _joined_cluster
+    _joined_cluster = config
+
+
+def _another_strategy(tf, config: cluster_lib.TFConfig,
+                      options: config_lib.MultiWorkerMirroredOptions):
+    """A further strategy on the cluster this process joined (same TF_CONFIG required)."""
+    from tfdist.compat import collective_keys
+
+    if config != _joined_cluster:
+        raise RuntimeError(
+            "This process already joined a multi-worker cluster as task "
+            f"{_joined_cluster.task_type}:{_joined_cluster.task_id} "
+            f"({_joined_cluster.cluster.sizes()}), and TensorFlow serves one cluster per "
+            f"process. Received: TF_CONFIG with task {config.task_type}:{config.task_id} of "
+            f"{config.cluster.sizes()}, different from the first. Make every strategy of a "
+            "process from the same TF_CONFIG, or start a new process for the other cluster.")
+    strategy = collective_keys.joined_multi_worker_strategy(_communication_options(tf, options))
+    logger.info("tfdist: another strategy on the cluster %s:%s joined", config.task_type,
+                config.task_id)
     return strategy

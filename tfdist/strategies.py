@@ -530,6 +530,7 @@ register_preset(
     needs="TF_CONFIG with chief/worker tasks (set by `tfdist launch`); none for 1 worker",
     features=MULTI_WORKER_FEATURES + COMMON_FEATURES + SYNC_FEATURES,
     factory="tfdist.multi_worker:build_strategy",
+    fixes=("collective_keys",),  # a further strategy in a process that joined its cluster
 )
 
 register_preset(

@@ -99,3 +99,75 @@ def mirrored_strategy(devices: tuple[str, ...], *, cross_device_ops=None, ring: 
             "instance (MirroredExtended._collective_key_base); tfdist cannot give its "
             "strategies their own keys. See tfdist.compat.SUPPORTED for the tested versions.")
     return strategy
+
+
+# --- a further MultiWorkerMirroredStrategy in a process that already joined its cluster ------
+
+_multi_worker_counter = itertools.count(1)
+
+
+def _check_multi_worker(strategy_class, extended_class) -> None:
+    _patch.require_signature(strategy_class.__init__, "cluster_resolver",
+                             "communication_options",
+                             what="tf.distribute.MultiWorkerMirroredStrategy.__init__")
+    _patch.require_signature(extended_class.__init__, "container_strategy", "cluster_resolver",
+                             "communication_options", "devices",
+                             what="CollectiveAllReduceExtended.__init__")
+    _patch.require_attributes(strategy_class, "_collective_key_base",
+                              what="tf.distribute.MultiWorkerMirroredStrategy")
+    _patch.require_attributes(extended_class, "_initialize_multi_worker",
+                              what="CollectiveAllReduceExtended")
+
+
+def joined_multi_worker_strategy(communication_options):
+    """Another `tf.distribute.MultiWorkerMirroredStrategy` on the server this process runs.
+
+    TensorFlow's constructor configures collective ops and starts this task's
+    server (`context.enable_collective_ops`), which works once per process:
+    a later constructor reconfigures the running server under the collectives
+    of the earlier strategy ("Enabling collective ops after program startup may
+    cause error"; peers then log "Delete called on non-empty BufRendezvous").
+    The strategy made here joins the server the first strategy started (its
+    extended object says the server is started, `_std_server_started`, which
+    TensorFlow's `_initialize_multi_worker` checks; configuring collective ops
+    again with the same leader is a no-op there), and its collective group keys
+    start after a base no earlier strategy of this process used, so its
+    collectives never meet those of an earlier strategy. Every task makes its
+    strategies in the same order, so every task picks the same base.
+
+    Args:
+      communication_options: `tf.distribute.experimental.CommunicationOptions`.
+
+    Returns:
+      The strategy (this process's TF_CONFIG cluster, one replica per local device).
+
+    Raises:
+      CompatError: TensorFlow's MultiWorkerMirroredStrategy is not shaped as this expects.
+    """
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+    from tensorflow.python.distribute import distribute_lib
+
+    cls = tf.distribute.MultiWorkerMirroredStrategy
+    _check_multi_worker(cls, cars.CollectiveAllReduceExtended)
+
+    class _JoinedExtended(cars.CollectiveAllReduceExtended):
+        _std_server_started = True  # the first strategy's server serves this one too
+
+    with _lock:
+        # Above the bases of tfdist's MirroredStrategies, which a worker never shares devices
+        # with, and the same on every task (its own counter, advanced only here).
+        base = (1_000 + next(_multi_worker_counter)) * _STRIDE
+    strategy = cls.__new__(cls)
+    strategy._collective_key_base = base  # read by the extended object's constructor
+    distribute_lib.Strategy.__init__(
+        strategy, _JoinedExtended(strategy, cluster_resolver=None,
+                                  communication_options=communication_options))
+    if getattr(strategy.extended, "_collective_key_base", None) != base:
+        raise _patch.CompatError(
+            "tf.distribute.MultiWorkerMirroredStrategy no longer reads its collective key base "
+            "from the instance; tfdist cannot make a second strategy in this process. See "
+            "tfdist.compat.SUPPORTED for the tested versions.")
+    return strategy
