@@ -375,6 +375,12 @@ def _keras_multi_step(strategy, options, state) -> None:
     keras_multi_step.install()
 
 
+def _keras_losses(strategy, options, state) -> None:
+    from tfdist.compat import keras_losses
+
+    keras_losses.install()
+
+
 def _loss_scale(strategy, options, state) -> None:
     from tfdist.compat import loss_scale
 
@@ -412,6 +418,11 @@ COMMON_FEATURES: tuple[Feature, ...] = (
             attach=_batch_norm),
     Feature("keras_multi_step", "steps_per_execution > 1 with several replicas",
             when="always", fixes=("keras_multi_step",), attach=_keras_multi_step),
+    # After keras_multi_step: its _make_function runs the step keras_losses marks.
+    Feature("keras_losses", "inside fit/evaluate, every loss as one device computes it (add_loss, "
+            "a train_step's own losses) and the replicas' gradients averaged",
+            when="always (acts with several synchronous replicas)", fixes=("keras_losses",),
+            attach=_keras_losses),
     Feature("loss_scale", "mixed_float16: a step is skipped when any replica overflows",
             when="always", fixes=("loss_scale",), attach=_loss_scale),
     # Last: under multi_worker_mirrored it wraps keras_files's BackupAndRestore fixes, so
