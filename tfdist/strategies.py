@@ -381,6 +381,12 @@ def _keras_losses(strategy, options, state) -> None:
     keras_losses.install()
 
 
+def _keras_xla(strategy, options, state) -> None:
+    from tfdist.compat import keras_xla
+
+    keras_xla.install()
+
+
 def _loss_scale(strategy, options, state) -> None:
     from tfdist.compat import loss_scale
 
@@ -423,6 +429,10 @@ COMMON_FEATURES: tuple[Feature, ...] = (
             "a train_step's own losses) and the replicas' gradients averaged",
             when="always (acts with several synchronous replicas)", fixes=("keras_losses",),
             attach=_keras_losses),
+    Feature("keras_xla", "a model's jit_compile reads False where XLA cannot compile the step "
+            "(several CPU replicas), with one warning",
+            when="always (acts with several CPU replicas)", fixes=("keras_xla",),
+            attach=_keras_xla),
     Feature("loss_scale", "mixed_float16: a step is skipped when any replica overflows",
             when="always", fixes=("loss_scale",), attach=_loss_scale),
     # Last: under multi_worker_mirrored it wraps keras_files's BackupAndRestore fixes, so
