@@ -104,6 +104,7 @@ _EXPORTS = {
     "ThroughputMonitor": "tfdist.callbacks",
     # training like one device (docs/numerics.md)
     "sum_duplicate_sparse_gradients": "tfdist.numerics",
+    "keep_duplicate_sparse_slices": "tfdist.numerics",
     "replica_spread": "tfdist.numerics",
 }
 

@@ -12,8 +12,8 @@ without being asked (see docs/numerics.md):
   batch).
 
 Plain single-device Keras is left as it is; this module offers the
-sparse-gradient fix as an explicit opt-in for it, and a way to check that a
-model's replicas agree.
+sparse-gradient fix as an explicit opt-in for it (and an opt-out under
+tfdist's strategies), and a way to check that a model's replicas agree.
 """
 
 from __future__ import annotations
@@ -60,6 +60,48 @@ def sum_duplicate_sparse_gradients(optimizer: Any) -> Any:
     if inner is not None:  # LossScaleOptimizer: the inner optimizer runs the update step
         optimizer_update.opt_in(inner)
     return optimizer_update.opt_in(optimizer)
+
+
+def keep_duplicate_sparse_slices(optimizer: Any) -> Any:
+    """Makes `optimizer` apply sparse gradients slice by slice, as Keras does; returns it.
+
+    The opposite of `sum_duplicate_sparse_gradients`, for a run under a
+    strategy tfdist made: there, duplicate indices of an `IndexedSlices`
+    gradient are summed before the optimizer sees them (Adam's math as on
+    Keras's JAX backend and in tf_keras), which makes a distributed run differ
+    from a plain single-device TensorFlow run of the same program wherever an
+    embedding row is looked up more than once in a batch (docs/numerics.md).
+    With this opt-out, the distributed run keeps Keras's slice-by-slice
+    arithmetic and equals that plain run. A variable that sharding (`shard=`)
+    cuts into shards gets a dense gradient, duplicates summed, either way.
+
+    Args:
+      optimizer: a Keras optimizer object. A `LossScaleOptimizer`'s inner
+        optimizer is included.
+
+    Returns:
+      `optimizer`, for chaining.
+
+    Raises:
+      ValueError: `optimizer` is not a Keras optimizer.
+
+    Example:
+      >>> opt = tfdist.keep_duplicate_sparse_slices(keras.optimizers.Adam(0.1))
+      >>> with strategy.scope():
+      ...     model.compile(opt, "mse")
+    """
+    import keras
+
+    from tfdist import sync
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "keep_duplicate_sparse_slices takes a Keras optimizer object such as "
+            f"keras.optimizers.Adam(1e-3). Received: {optimizer!r} ({type(optimizer).__name__}).")
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        sync.keep_sparse_slices(inner)
+    return sync.keep_sparse_slices(optimizer)
 
 
 def replica_spread(variables: Any) -> float:

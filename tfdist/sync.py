@@ -20,6 +20,8 @@ none: Keras's code runs unchanged.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 from tfdist import state as state_lib
@@ -42,8 +44,13 @@ class GradientSync:
 
     def reduce(self, optimizer: Any, grads_and_vars: GradsAndVars,
                keras_all_reduce: Callable[[GradsAndVars], GradsAndVars]) -> GradsAndVars:
-        """The all-reduced (summed over replicas) gradients, duplicates summed."""
-        return [(sum_duplicate_indices(g), v) for g, v in keras_all_reduce(grads_and_vars)]
+        """The all-reduced (summed over replicas) gradients, duplicates summed.
+
+        Duplicates stay slice by slice for an optimizer passed to `keep_sparse_slices`.
+        """
+        summing = sums_duplicates(optimizer)
+        return [(sum_duplicate_indices(g) if summing else g, v)
+                for g, v in keras_all_reduce(grads_and_vars)]
 
     def apply(self, optimizer: Any, grads_and_vars: GradsAndVars, learning_rate: Any,
               keras_apply: Callable[[GradsAndVars, Any], None]) -> None:
@@ -74,6 +81,28 @@ def gradient_sync(strategy: Any) -> GradientSync | None:
     if state is None:
         return None
     return DEFAULT_SYNC if state.gradient_sync is None else state.gradient_sync
+
+
+_kept_slices: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_kept_lock = threading.Lock()
+
+
+def keep_sparse_slices(optimizer: Any) -> Any:
+    """Leaves `optimizer`'s sparse gradients as Keras applies them (slice by slice); returns it.
+
+    The opt-out of the duplicate-index sum that the GradientSyncs of tfdist's
+    strategies apply: the run then reproduces a plain single-device TensorFlow
+    run's arithmetic. Users call `tfdist.keep_duplicate_sparse_slices`.
+    """
+    with _kept_lock:
+        _kept_slices.add(optimizer)
+    return optimizer
+
+
+def sums_duplicates(optimizer: Any) -> bool:
+    """False for an optimizer passed to `keep_sparse_slices` (its sparse gradients stay)."""
+    with _kept_lock:
+        return optimizer not in _kept_slices
 
 
 def sum_duplicate_indices(gradient: Any) -> Any:

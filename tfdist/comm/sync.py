@@ -140,8 +140,9 @@ class CommSync(sync_lib.GradientSync):
                  if g is not None and not isinstance(g, tf.IndexedSlices)]
         if sparse:
             reduced = keras_all_reduce([grads_and_vars[i] for i in sparse])
+            summing = sync_lib.sums_duplicates(optimizer)
             for i, (g, v) in zip(sparse, reduced):
-                out[i] = (sync_lib.sum_duplicate_indices(g), v)
+                out[i] = (sync_lib.sum_duplicate_indices(g) if summing else g, v)
         if self.compression == "powersgd":
             # Buckets of whole variables: PowerSGD factorises each matrix.
             for bucket in _group(list(reversed(dense)),
