@@ -10,8 +10,13 @@ involved, the way users' own code does:
   `evaluate` and `predict`;
 - the same model with a custom GradientTape loop;
 - the same model with Keras's `BackupAndRestore`, interrupted and resumed;
+- the patterns tfdist's fixes reach under its own strategies, with no strategy:
+  `jit_compile=True` (fit, predict, the value Keras reports, save and
+  `load_model`), a model with `train_step` and no `call` (its Adam built in the
+  traced step), `add_loss` of a Loss object, a string input;
 - the same model under the user's own `tf.distribute.MirroredStrategy` on
-  two logical CPUs, made after tfdist's strategy;
+  two logical CPUs, made after tfdist's strategy, and there the `add_loss`
+  model too;
 - the `fit` model and the user's MirroredStrategy model exported with
   `model.export` and `tf.saved_model.save`, and served.
 Every weight, optimizer variable, loss and metric value goes to FILE.npz;
@@ -151,6 +156,7 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
               callbacks=[keras.callbacks.BackupAndRestore(folder, save_freq=2)])
     _state("backup", model, optimizer, out)
 
+    patterns(out)
     if not user_mirrored:
         return
     # 4. the user's own MirroredStrategy, made after tfdist's.
@@ -167,6 +173,113 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
         out[f"user_mirrored/history/{key}"] = np.asarray(values)
     _state("user_mirrored", model, optimizer, out)
     _serve("user_mirrored", model, [ids[:BATCH], x[:BATCH]], out)
+    with strategy.scope():
+        model = _add_loss_model()
+    history = model.fit(_add_loss_data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["user_mirrored/add_loss/history"] = np.asarray(history.history["loss"])
+    _state("user_mirrored/add_loss", model, model.optimizer, out)
+
+
+def _add_loss_model():
+    import keras
+    import numpy as np
+
+    class LogisticEndpoint(keras.layers.Layer):
+        def __init__(self, name=None):
+            super().__init__(name=name)
+            self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+        def call(self, targets, logits):
+            self.add_loss(self.loss_fn(targets, logits))
+            return keras.ops.softmax(logits)
+
+    inputs, targets = keras.Input((3,), name="inputs"), keras.Input((10,), name="targets")
+    logits = keras.layers.Dense(10)(inputs)
+    model = keras.Model([inputs, targets], LogisticEndpoint()(targets, logits))
+    rng = np.random.default_rng(3)
+    model.set_weights([rng.standard_normal(w.shape).astype(w.dtype) for w in model.get_weights()])
+    model.compile(keras.optimizers.SGD(0.5))
+    return model
+
+
+def _add_loss_data():
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    return {"inputs": rng.random((N, 3)).astype("float32"),
+            "targets": rng.random((N, 10)).astype("float32")}
+
+
+def patterns(out: dict) -> None:
+    """What tfdist's fixes for users' programs reach, run here with no strategy."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    ids, x, y = _data()
+    rng = np.random.default_rng(5)
+
+    # XLA asked for by the user: compiled, reported, saved and loaded as Keras does.
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.05), "mse", jit_compile=True)
+    out["xla/jit_compile"] = np.asarray(model.jit_compile)
+    history = model.fit([ids, x], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["xla/history"] = np.asarray(history.history["loss"])
+    out["xla/predict"] = model.predict([ids, x], batch_size=BATCH, verbose=0)
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"untouched-{os.getpid()}.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    os.remove(path)
+    out["xla/loaded_jit_compile"] = np.asarray(loaded.jit_compile)
+    out["xla/loaded_predict"] = loaded.predict([ids, x], batch_size=BATCH, verbose=0)
+
+    # A model with train_step and no call: built, with its Adam, while the step is traced.
+    class Autoencoder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2)])
+            self.decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(FEATURES)])
+            self.tracker = keras.metrics.Mean(name="loss")
+
+        @property
+        def metrics(self):
+            return [self.tracker]
+
+        def train_step(self, data):
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(self.decoder(self.encoder(data)) - data))
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            self.tracker.update_state(loss)
+            return {"loss": self.tracker.result()}
+
+    model = Autoencoder()
+    model.set_weights([rng.standard_normal(w.shape).astype(w.dtype) for w in model.get_weights()])
+    model.compile(keras.optimizers.Adam(0.05))
+    history = model.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["train_step/history"] = np.asarray(history.history["loss"])
+    _state("train_step", model, model.optimizer, out)
+
+    # add_loss of a Loss object.
+    model = _add_loss_model()
+    history = model.fit(_add_loss_data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["add_loss/history"] = np.asarray(history.history["loss"])
+    _state("add_loss", model, model.optimizer, out)
+
+    # A string input.
+    texts = np.array([" ".join(rng.choice(["a", "b", "c", "d"], size=3)) for _ in range(N)])
+    vectorize = keras.layers.TextVectorization(max_tokens=6, output_sequence_length=3)
+    vectorize.adapt(texts)
+    inputs = keras.Input((1,), dtype="string")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(6, 2)(vectorize(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(1)(pooled))
+    model.set_weights([rng.standard_normal(w.shape).astype(w.dtype) for w in model.get_weights()])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    data = tf.data.Dataset.from_tensor_slices((texts[:, None], y)).batch(BATCH)
+    history = model.fit(data, epochs=1, verbose=0)
+    out["string/history"] = np.asarray(history.history["loss"])
+    out["string/evaluate"] = np.asarray(model.evaluate(data, verbose=0))
+    _state("string", model, model.optimizer, out)
 
 
 def main() -> int:

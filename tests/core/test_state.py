@@ -19,7 +19,8 @@ def test_a_made_strategy_has_one_record_with_its_preset_options_and_features():
     assert state.features == tuple(f.name for f in tfdist.installs(
         "mirrored", num_devices=2, sync_batch_norm=True).features)
     assert state.features == ("optimizer_update", "keras_build", "batch_norm",
-                              "keras_multi_step", "loss_scale", "keras_backup")
+                              "keras_multi_step", "keras_losses", "keras_xla", "loss_scale",
+                              "keras_backup")
     assert state.sync_batch_norm is True
     assert state.gradient_sync is None and state.sharding_plan is None
     assert state_lib.adopt(strategy) is state  # adopting again changes nothing
@@ -55,19 +56,22 @@ def test_strategies_tfdist_did_not_make_have_no_record():
 @pytest.mark.parametrize("preset, options, features, fixes", [
     ("default", {}, (), ()),
     ("one_device", {}, ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step",
-                        "loss_scale", "keras_backup"), ()),
+                        "keras_losses", "keras_xla", "loss_scale", "keras_backup"), ()),
     ("mirrored", {"shard": "optimizer"},
-     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "loss_scale",
-      "keras_backup", "sharding"), ("collective_keys", "sharding_variables")),
+     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "keras_losses",
+      "keras_xla", "loss_scale", "keras_backup", "sharding"),
+     ("collective_keys", "sharding_variables")),
     ("mirrored", {"gradient_compression": "bf16"},
-     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "loss_scale",
-      "keras_backup", "comm"), ("collective_keys", "comm_collectives")),
+     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "keras_losses",
+      "keras_xla", "loss_scale", "keras_backup", "comm"),
+     ("collective_keys", "comm_collectives")),
     ("multi_worker_mirrored", {}, ("keras_multi_worker", "optimizer_update", "keras_build",
-                                   "batch_norm", "keras_multi_step", "loss_scale", "keras_backup"),
-     ("keras_multi_worker", "keras_files")),
+                                   "batch_norm", "keras_multi_step", "keras_losses",
+                                   "keras_xla", "loss_scale", "keras_backup"),
+     ("keras_multi_worker", "keras_files", "collective_keys")),
     ("parameter_server", {"local_workers": 1, "local_ps": 1},
-     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "loss_scale",
-      "keras_backup"),
+     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "keras_losses",
+      "keras_xla", "loss_scale", "keras_backup"),
      ("ps_keras", "ps_variables", "ps_fit", "ps_recovery")),
 ])
 def test_installs_reads_the_registry_row(preset, options, features, fixes):
@@ -118,6 +122,8 @@ ALLOWED_WEAK_TABLES = {
     "tfdist/compat/ps_recovery.py": "coordinator -> its recovery handler (moves to "
                                     "StrategyState with the parameter-server work)",
     "tfdist/sharding/sync.py": "optimizers one ShardedSync has checked",
+    "tfdist/sync.py": "optimizers that keep their sparse gradients slice by slice",
+    "tfdist/compat/keras_xla.py": "models already warned that XLA is off",
 }
 
 
