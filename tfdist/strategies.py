@@ -459,11 +459,21 @@ def _keras_multi_worker(strategy, options, state) -> None:
     keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
 
 
+def _keras_log_reduction(strategy, options, state) -> None:
+    from tfdist.compat import keras_log_reduction
+
+    # After keras_multi_worker's fix (so around it): one collective for the logs.
+    keras_log_reduction.install()
+
+
 MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
     Feature("keras_multi_worker", "Keras 3 fit across workers (keras-team/keras#20585); "
             "Keras's own file writers leave one intact file, the chief's",
             when="always", fixes=("keras_multi_worker", "keras_files"),
             attach=_keras_multi_worker),
+    Feature("keras_log_reduction", "a multi-worker step's scalar logs (loss, metrics) "
+            "reduced in one collective instead of one each (keras-team/keras#20585)",
+            when="always", fixes=("keras_log_reduction",), attach=_keras_log_reduction),
 )
 
 

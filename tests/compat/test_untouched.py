@@ -170,7 +170,8 @@ def _uninstall_run(*presets: str) -> dict[str, str]:
 def test_uninstall_restores_every_original():
     lines = _uninstall_run("mirrored", "multi_worker_mirrored", "one_device", "auto")
     assert {"keras_build.symbolic_build", "keras_multi_worker.reduce_per_replica",
-            "optimizer_update.backend_update_step", "placed_training.optimizer_slots"} <= set(
+            "keras_log_reduction.reduce_per_replica", "optimizer_update.backend_update_step",
+            "placed_training.optimizer_slots"} <= set(
         lines["installed"].split(","))
 
 

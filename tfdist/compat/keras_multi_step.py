@@ -18,6 +18,12 @@ replicas, the loop tf_keras used: the first step, then `steps_per_execution
 epoch (the steps already run in that execution are applied, as in tf_keras).
 Everything else (one step per execution, other strategies) runs Keras's own
 code.
+
+Only the last step of an execution returns its logs (Keras's loop, like
+tf_keras's, hands callbacks the last step's), so the steps before it skip
+`reduce_per_replica`: under MultiWorkerMirroredStrategy that reduction is a
+cross-worker collective per step, and with it skipped an execution of K steps
+runs K gradient all-reduces and one reduction of logs instead of K of each.
 """
 
 from __future__ import annotations
@@ -71,18 +77,25 @@ def _make(original):
             return trainer.reduce_per_replica(outputs, self.distribute_strategy,
                                               reduction="auto")
 
+        @tf.autograph.experimental.do_not_convert
+        def step_without_logs(data):
+            # A step whose logs nobody reads: no reduction of them across replicas.
+            self.distribute_strategy.run(step_function, args=(data,))
+
         one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
                                        jit_compile=self.jit_compile)
+        step_without_logs = tf.function(step_without_logs, reduce_retracing=True,
+                                        jit_compile=self.jit_compile)
         if hasattr(self, "_autoconvert_optionals"):
             one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+            step_without_logs = self._autoconvert_optionals(step_without_logs)
         steps = self.steps_per_execution
 
         @tf.function(reduce_retracing=True)
         def multi_step_on_iterator(iterator):
-            outputs = one_step_on_data(iterator.get_next())
             for _ in tf.range(steps - 1):
-                outputs = one_step_on_data(iterator.get_next())
-            return outputs
+                step_without_logs(iterator.get_next())
+            return one_step_on_data(iterator.get_next())
 
         def function(iterator):
             if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
