@@ -10,6 +10,11 @@ involved, the way users' own code does:
   `evaluate` and `predict`;
 - the same model with a custom GradientTape loop;
 - the same model with Keras's `BackupAndRestore`, interrupted and resumed;
+- the same model saved and loaded every public way (`model.save` to .keras
+  and .h5 and `keras.models.load_model`, which compiles what it loads;
+  `save_weights`/`load_weights`; `model.export` and `tf.saved_model.load`;
+  ModelCheckpoint, CSVLogger and BackupAndRestore inside `fit`), the loaded
+  models evaluated and predicting, and `compile(steps_per_execution=2)`;
 - the patterns tfdist's fixes reach under its own strategies, with no strategy:
   `jit_compile=True` (fit, predict, the value Keras reports, save and
   `load_model`), a model with `train_step` and no `call` (its Adam built in the
@@ -85,6 +90,64 @@ def _serve(prefix, model, inputs, out):
     [served] = serve(**{name: by_dtype[spec.dtype.name] for name, spec in
                         serve.structured_input_signature[1].items()}).values()
     out[f"{prefix}/saved_model"] = served.numpy()
+def _loaded(prefix, model, ids, x, y, out):
+    """What a loaded model is: compiled or not, its evaluate (or the error), its predict."""
+    import numpy as np
+
+    out[f"{prefix}/compiled"] = np.asarray(bool(model.compiled))
+    try:
+        out[f"{prefix}/evaluate"] = np.asarray(
+            model.evaluate([ids, x], y, batch_size=BATCH, verbose=0))
+    except Exception as e:  # an uncompiled model: "No loss to compute"
+        out[f"{prefix}/evaluate"] = np.asarray(f"{type(e).__name__}: {e}"[:200])
+    out[f"{prefix}/predict"] = model.predict([ids, x], batch_size=BATCH, verbose=0)
+    for i, w in enumerate(model.get_weights()):
+        out[f"{prefix}/weight{i}"] = w
+
+
+def files(out: dict, workdir: str) -> None:
+    """Saving and loading, every public Keras way, with no strategy."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    ids, x, y = _data()
+    model = _model()
+    # Loss and metric objects: Keras 3.15 cannot deserialize the string "mse" from .h5.
+    model.compile(keras.optimizers.Adam(0.05), keras.losses.MeanSquaredError(),
+                  metrics=[keras.metrics.MeanAbsoluteError()], steps_per_execution=2)
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(os.path.join(workdir, "ckpt-{epoch}-{loss:.4f}.keras"),
+                                        save_freq=3),
+        keras.callbacks.CSVLogger(os.path.join(workdir, "log.csv")),
+        keras.callbacks.BackupAndRestore(os.path.join(workdir, "backup")),
+    ]
+    history = model.fit([ids, x], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=callbacks)
+    for key, values in history.history.items():
+        out[f"files/history/{key}"] = np.asarray(values)
+    checkpoints = sorted(f for f in os.listdir(workdir) if f.startswith("ckpt-"))
+    out["files/checkpoints"] = np.asarray(checkpoints)
+    with open(os.path.join(workdir, "log.csv")) as f:
+        out["files/csv"] = np.asarray(f.read())
+
+    path = os.path.join(workdir, "model.keras")
+    model.save(path)
+    _loaded("files/keras", keras.models.load_model(path), ids, x, y, out)
+    _loaded("files/checkpoint", keras.models.load_model(os.path.join(workdir, checkpoints[-1])),
+            ids, x, y, out)
+    h5 = os.path.join(workdir, "model.h5")
+    model.save(h5)
+    _loaded("files/h5", keras.models.load_model(h5), ids, x, y, out)
+    weights = os.path.join(workdir, "model.weights.h5")
+    model.save_weights(weights)
+    fresh = _model()
+    fresh.load_weights(weights)
+    out["files/load_weights/predict"] = fresh.predict([ids, x], batch_size=BATCH, verbose=0)
+    exported = os.path.join(workdir, "exported")
+    model.export(exported, verbose=False)
+    reloaded = tf.saved_model.load(exported)  # kept: its function refers to its variables
+    out["files/export/serve"] = np.asarray(reloaded.serve([tf.constant(ids), tf.constant(x)]))
 
 
 def train(out: dict, *, user_mirrored: bool = True) -> None:
@@ -288,6 +351,10 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--no_user_mirrored", action="store_true",
                         help="skip the user's own MirroredStrategy (see the test for why)")
+    parser.add_argument("--shadow_compile", action="store_true",
+                        help="negative control: a pass-through compile on TensorFlowTrainer "
+                             "(where tfdist's parameter-server fix used to sit), which makes "
+                             "load_model return uncompiled models")
     parser.add_argument("--opt_in", action="store_true",
                         help="negative control: opt the plain optimizers in to tfdist's "
                              "sparse-gradient fix, which must change the result")
@@ -316,8 +383,20 @@ def main() -> int:
             original_adam = keras.optimizers.Adam
             keras.optimizers.Adam = lambda *a, **k: optimizer_update.opt_in(
                 original_adam(*a, **k))
+    if args.shadow_compile:
+        import functools
+
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+        from keras.src.trainers.trainer import Trainer
+
+        TensorFlowTrainer.compile = functools.wraps(Trainer.compile)(
+            lambda self, *a, **k: Trainer.compile(self, *a, **k))
     out: dict = {}
     train(out, user_mirrored=not args.no_user_mirrored)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as workdir:
+        files(out, workdir)
     import numpy as np
 
     out["tfdist_imported"] = np.asarray("tfdist" in sys.modules)

@@ -1,12 +1,16 @@
 """tfdist changes nothing in a process that it was not asked to change.
 
 - After making each preset in a process, plain Keras code there (fit /
-  evaluate / predict, a custom GradientTape loop, a user's own
-  MirroredStrategy made afterwards, SavedModels of both from `model.export`
-  and `tf.saved_model.save`, served) gives results bit-identical to a process
-  that never imported tfdist. Negative control: opting the plain optimizers
-  in to tfdist's sparse-gradient fix changes every result, so the comparison
-  does see a fix that applies where it should not.
+  evaluate / predict, a custom GradientTape loop, saving and loading every
+  public way: `save`/`load_model` (.keras, .h5), `save_weights`/`load_weights`,
+  `export`, ModelCheckpoint/CSVLogger/BackupAndRestore, `steps_per_execution`;
+  a user's own MirroredStrategy made afterwards, SavedModels of both from
+  `model.export` and `tf.saved_model.save`, served) gives results
+  bit-identical to a process that never imported tfdist. Negative controls:
+  opting the plain optimizers in to tfdist's sparse-gradient fix changes every
+  result, and a pass-through `compile` on Keras's TensorFlowTrainer (where the
+  parameter-server fix once sat) makes `load_model` return uncompiled models,
+  so the comparison sees a fix that applies where it should not.
 - `tfdist.compat.uninstall()` puts back every TensorFlow/Keras function,
   method and class attribute that making the presets replaced.
 
@@ -60,6 +64,7 @@ def test_plain_keras_is_bit_identical_after_every_preset(tmp_path):
         runs[preset] = ["--preset", preset] + (
             ["--no_user_mirrored"] if preset in NO_USER_MIRRORED else [])
     runs["negative_control"] = ["--preset", "mirrored", "--opt_in"]
+    runs["shadow_compile"] = ["--preset", "none", "--shadow_compile"]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         results = {name: (arrays, stdout) for name, arrays, stdout in
                    pool.map(lambda item: _run(*item, tmp_path), runs.items())}
@@ -73,6 +78,13 @@ def test_plain_keras_is_bit_identical_after_every_preset(tmp_path):
     assert "fit/weight0" in changed and "loop/weight0" in changed, (
         "negative control: the opted-in sparse-gradient fix should change the embedding "
         f"weights; changed: {changed}")
+    shadowed, _ = results.pop("shadow_compile")
+    shadowed.pop("tfdist_imported")
+    changed = {k for k in reference if not np.array_equal(reference[k], shadowed[k])}
+    assert {"files/keras/evaluate", "files/checkpoint/evaluate"} <= changed, (
+        "negative control: a compile installed on TensorFlowTrainer should leave loaded "
+        f"models uncompiled; changed: {sorted(changed)}")
+    assert "No loss to compute" in str(shadowed["files/keras/evaluate"])
 
     for preset, (arrays, stdout) in results.items():
         assert arrays.pop("tfdist_imported")

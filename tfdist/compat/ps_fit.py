@@ -8,8 +8,8 @@ ClusterCoordinator.create_per_worker_dataset"), numpy, and callables
 exactly-once evaluation, used by the public parameter_server_training
 tutorial) is a TypeError. Verified on Keras 3.15 / TF 2.21.
 
-The fixes wrap `TensorFlowTrainer.fit`, `evaluate`, `predict` and `compile`:
-when the model's strategy is a ParameterServerStrategy made by
+The fixes wrap `TensorFlowTrainer.fit`, `evaluate`, `predict` and
+`Trainer.compile`: when the model's strategy is a ParameterServerStrategy made by
 `tfdist.make_strategy`, the call goes to the route given to `install()` (the
 parameter_server preset passes tfdist.ps's Keras entry points); every other
 model runs Keras unchanged, `compile(pss_evaluation_shards=...)` included (a
@@ -17,6 +17,12 @@ TypeError, as in stock Keras). This module never imports tfdist.ps: the preset
 hands it the routes, so imports go one way (tfdist.ps -> tfdist.compat).
 Models that override these methods (KerasHub tasks) still reach the routes
 through `super().fit(...)`.
+
+`compile` is replaced where Keras defines it, on `Trainer`, never on
+`TensorFlowTrainer`: Keras's `compile_from_config` (what `load_model` calls)
+compiles a loaded model only if `type(model).compile == Trainer.compile`, so a
+`compile` installed on the subclass made every loaded model in the process
+come back uncompiled ("No loss to compute" at `evaluate`).
 """
 
 from __future__ import annotations
@@ -55,6 +61,33 @@ def _trainer_class():
     return TensorFlowTrainer
 
 
+def _base_trainer_class():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    from keras.src.trainers.trainer import Trainer
+
+    return Trainer
+
+
+def _target(method: str):
+    if method == "compile":
+        return _base_trainer_class(), method
+    return _trainer_class(), method
+
+
+def _check(method: str, original) -> None:
+    _patch.require_signature(original, *_SIGNATURES[method],
+                             what=f"keras TensorFlowTrainer.{method}")
+    if method == "compile" and "compile" in vars(_trainer_class()):
+        # Replacing Trainer.compile would then miss TensorFlow models, and replacing
+        # the subclass's would make compile_from_config skip every loaded model.
+        raise _patch.CompatError(
+            "keras TensorFlowTrainer defines its own compile in this Keras version; the "
+            "tfdist fix ps_fit.compile was written for the one it inherits from Trainer "
+            "(see tfdist.compat.SUPPORTED for the tested versions).")
+
+
 def _applies(model, *args, **kwargs) -> bool:
     return ps_keras.owned_ps_strategy(getattr(model, "distribute_strategy", None))
 
@@ -75,9 +108,8 @@ def _make(method: str):
 def _fix(method: str) -> _patch.Fix:
     return _patch.Fix(
         name=f"ps_fit.{method}", issue=UPSTREAM_ISSUE,
-        target=lambda: (_trainer_class(), method),
-        check=lambda original: _patch.require_signature(
-            original, *_SIGNATURES[method], what=f"keras TensorFlowTrainer.{method}"),
+        target=lambda: _target(method),
+        check=lambda original: _check(method, original),
         make=_make(method))
 
 
