@@ -1,9 +1,9 @@
 """Keras 3 fit/evaluate under the parameter_server preset (in-process cluster).
 
-The cases live in tests/ps/run_fit_cases.py and run in a fresh pytest
-process: an in-process cluster renames this process's devices to
-/job:chief/..., after which MirroredStrategy collectives in the same process
-fail ("unknown device"), so it must not share the suite's process; and the
+The cases live in tests/ps/run_fit_cases.py and tests/ps/run_parity_cases.py
+(users' programs) and run in one fresh pytest process, on one cluster: an
+in-process cluster renames this process's devices to /job:chief/..., after
+which MirroredStrategy collectives in the same process fail ("unknown device"), so it must not share the suite's process; and the
 cases install tfdist's compat fixes (and uninstall them for negative
 controls), which the rest of the suite must not see.
 """
@@ -19,17 +19,27 @@ from tests.support import REPO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = os.path.join(HERE, "run_fit_cases.py")
+# Users' programs under the preset (tests/ps/parity_programs.py), on the same cluster.
+PARITY_CASES = os.path.join(HERE, "run_parity_cases.py")
 
 
 def _case_count() -> int:
-    with open(CASES) as f:
-        return len(re.findall(r"^def test_", f.read(), flags=re.M))
+    count = 0
+    for path in (CASES, PARITY_CASES):
+        with open(path) as f:
+            text = f.read()
+        count += len(re.findall(r"^def test_", text, flags=re.M))
+        # A parametrized case counts once per parameter.
+        for names in re.findall(r"^@pytest\.mark\.parametrize\(\"\w+\", \[([^\]]*)\]", text,
+                                flags=re.M):
+            count += len(re.findall(r'"\w+"', names)) - 1
+    return count
 
 
 @pytest.mark.timeout(660)
 def test_in_process_cluster_cases():
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", CASES, "-q", "-p", "no:cacheprovider", "-o",
+        [sys.executable, "-m", "pytest", CASES, PARITY_CASES, "-q", "-p", "no:cacheprovider", "-o",
          "addopts=", "--timeout=600", "-rs"],
         capture_output=True, text=True, timeout=640, cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO})

@@ -8,23 +8,34 @@ version changed it, so tfdist.ps itself touches only public API:
 * Keras `Trainer` members: `_symbolic_build` (build model, loss and metrics
   from a batch spec), `_assert_compile_called`, `_get_metrics_result_or_logs`,
   `_flatten_metrics_in_order`, `_distribute_strategy` (to run Keras's own
-  evaluate/predict on the coordinator), `_compile_config` (a new object on
+  evaluate/predict on the coordinator, with TensorFlow's per-thread strategy
+  stack `Graph._distribution_strategy_stack` set aside), `_compile_config` (a new object on
   every `compile()`), `_initial_epoch` (set by `keras.callbacks.BackupAndRestore`);
-  `keras.src.utils.python_utils.pythonify_logs`.
+  `keras.src.utils.python_utils.pythonify_logs`; Keras's data adapters
+  (`EpochIterator`, `ArrayDataAdapter`, `can_convert_arrays`,
+  `make_class_weight_map_fn`, `train_validation_split`), so arrays, a
+  `PyDataset` and `class_weight` are read exactly as Keras reads them.
 * TensorFlow: `ParameterServerStrategy`'s V2 class, the coordinator's
-  `PSUnavailableError`, a `RemoteValue`'s status (without blocking on it), and
-  `PerWorkerDataset.build()` (the per-worker datasets, not iterators, that exact
-  evaluation shards on each worker, as tf_keras does).
+  `PSUnavailableError`, and `PerWorkerDataset.build()` (the per-worker
+  datasets, not iterators, that exact evaluation shards on each worker, as
+  tf_keras does).
 
-Nothing here replaces anything: these are reads.
+Nothing here replaces anything for good: these are reads, and
+`without_strategy` sets a model's strategy, step functions and `jit_compile`
+(and this thread's strategy scope) aside for one call and puts them back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 from tfdist.compat._patch import CompatError, require_attributes
+
+# model -> (compile token, test function, predict function) that Keras built for the
+# coordinator (see without_strategy).
+_coordinator_functions: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 _TRAINER_MEMBERS = ("_symbolic_build", "_assert_compile_called", "_get_metrics_result_or_logs",
                     "_flatten_metrics_in_order")
@@ -42,12 +53,14 @@ def _trainer_class():
 def check() -> None:
     """Raises CompatError if a member tfdist.ps reads is missing in this Keras/TensorFlow."""
     require_attributes(_trainer_class(), *_TRAINER_MEMBERS, what="keras TensorFlowTrainer")
-    from tensorflow.python.distribute.coordinator import cluster_coordinator, remote_value
+    from tensorflow.python.framework import ops
+
+    require_attributes(ops.Graph, "_distribution_strategy_stack", what="tensorflow Graph")
+    check_data_adapters()
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
 
     require_attributes(cluster_coordinator, "PSUnavailableError",
                        what="tensorflow cluster_coordinator")
-    require_attributes(remote_value.RemoteValueStatus, "NOT_READY",
-                       what="tensorflow RemoteValueStatus")
 
 
 # --- Keras ------------------------------------------------------------------------
@@ -92,20 +105,99 @@ def restored_initial_epoch(model: Any) -> int | None:
 
 @contextlib.contextmanager
 def without_strategy(model: Any) -> Iterator[None]:
-    """Runs Keras's own evaluate/predict on this process: no strategy, fresh step functions.
+    """Runs Keras's own evaluate/predict here: no strategy, no XLA, the coordinator's step functions.
 
     The ops run on the coordinator and read the variables from the parameter
-    servers; the model's strategy and step functions are put back afterwards.
+    servers. Three things Keras would otherwise take from the strategy are
+    set aside for the block and put back afterwards:
+
+    * the model's strategy, and this thread's `strategy.scope()` if the
+      caller is inside it (keras.io's guides call `evaluate`/`predict` there;
+      Keras then asks `tf.distribute.get_strategy()`, which would be the
+      parameter-server strategy, for the dataset: "you need to pass this
+      dataset to ClusterCoordinator.create_per_worker_dataset");
+    * `jit_compile`: XLA cannot read a variable on another task ("Trying to
+      access resource ... located in device /job:ps/...");
+    * the step functions: the coordinator's own test/predict functions are
+      kept per compile, apart from the workers'.
     """
+    from tensorflow.python.framework import ops
+
+    graph = ops.get_default_graph()
+    saved_stack = graph._distribution_strategy_stack
     saved = model._distribute_strategy
     saved_functions = (model.train_function, model.test_function, model.predict_function)
+    saved_jit = model.jit_compile
+    token = compile_token(model)
+    cached = _coordinator_functions.get(model)
+    model.test_function, model.predict_function = (
+        cached[1:] if cached is not None and cached[0] is token else (None, None))
     model._distribute_strategy = None
-    model.test_function = model.predict_function = None
+    model.jit_compile = False
+    if saved_stack and saved_stack[-1].strategy is saved:
+        graph._distribution_strategy_stack = []
     try:
         yield
     finally:
+        graph._distribution_strategy_stack = saved_stack
+        _coordinator_functions[model] = (token, model.test_function, model.predict_function)
         model._distribute_strategy = saved
+        model.jit_compile = saved_jit
         model.train_function, model.test_function, model.predict_function = saved_functions
+
+
+# --- Keras's data adapters --------------------------------------------------------
+
+
+def _adapters():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    from keras.src.trainers import data_adapters, epoch_iterator
+    from keras.src.trainers.data_adapters import (
+        array_data_adapter,
+        array_slicing,
+        tf_dataset_adapter,
+    )
+
+    return data_adapters, epoch_iterator, array_data_adapter, array_slicing, tf_dataset_adapter
+
+
+def check_data_adapters() -> None:
+    """Raises CompatError if Keras's data adapters lack what tfdist.ps.data reads."""
+    _, epoch_iterator, array_data_adapter, array_slicing, tf_dataset_adapter = _adapters()
+    require_attributes(epoch_iterator, "EpochIterator", what="keras epoch_iterator")
+    require_attributes(epoch_iterator.EpochIterator, "enumerate_epoch", "reset", "num_batches",
+                       what="keras EpochIterator")
+    require_attributes(array_data_adapter, "ArrayDataAdapter", "can_convert_arrays",
+                       what="keras array_data_adapter")
+    require_attributes(array_slicing, "train_validation_split", what="keras array_slicing")
+    require_attributes(tf_dataset_adapter, "make_class_weight_map_fn",
+                       what="keras tf_dataset_adapter")
+
+
+def epoch_iterator(**kwargs) -> Any:
+    """Keras's own `EpochIterator` (NumPy batches, an epoch at a time) over fit's data arguments."""
+    return _adapters()[1].EpochIterator(**kwargs)
+
+
+def is_arrays(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
+    """True for what Keras's `ArrayDataAdapter` reads (NumPy arrays, tensors, nests of them)."""
+    return _adapters()[2].can_convert_arrays((x, y, sample_weight))
+
+
+def is_array_adapter(adapter: Any) -> bool:
+    return isinstance(adapter, _adapters()[2].ArrayDataAdapter)
+
+
+def class_weight_map_fn(class_weight: dict) -> Any:
+    """Keras's `Dataset.map` function turning `class_weight` into sample weights."""
+    return _adapters()[4].make_class_weight_map_fn(class_weight)
+
+
+def train_validation_split(arrays: Any, validation_split: float) -> tuple:
+    """Keras's split of arrays: the last `validation_split` of them become validation data."""
+    return _adapters()[3].train_validation_split(arrays, validation_split=validation_split)
 
 
 # --- TensorFlow ---------------------------------------------------------------------
@@ -132,16 +224,6 @@ def ps_unavailable_errors() -> tuple[type, ...]:
 
     return (cluster_coordinator.PSUnavailableError, tf.errors.UnavailableError,
             tf.errors.CancelledError, tf.errors.AbortedError)
-
-
-def remote_value_done(value: Any) -> bool:
-    """True once a scheduled function's RemoteValue finished (or failed); never blocks."""
-    from tensorflow.python.distribute.coordinator import remote_value
-
-    status = getattr(value, "_status", None)
-    if status is None:
-        return True
-    return status is not remote_value.RemoteValueStatus.NOT_READY
 
 
 def per_worker_datasets(coordinator: Any, dataset_or_fn: Any) -> Any:

@@ -18,7 +18,7 @@ into tfdist.compat, never back):
 * `keras_api`: Keras's `compile`/`fit`/`evaluate`/`predict` mapped onto the
   trainer (arguments, callbacks, logs);
 * `strategy`: the preset's factory, which wires the above together and
-  installs the Keras fixes (tfdist.compat.ps_variables, ps_fit).
+  installs the fixes (tfdist.compat.ps_variables, ps_tables, ps_fit).
 
 See docs/parameter_server.md.
 """

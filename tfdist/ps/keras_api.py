@@ -7,22 +7,29 @@ runs Keras unchanged). Each function takes Keras's arguments, checks them
 callbacks, and delegates the steps to `tfdist.ps.trainer.CoordinatorTrainer`.
 
 * `fit`: `x` is `fn(input_context) -> tf.data.Dataset`, a `tf.data.Dataset`
-  (copied to every worker) or a `tfdist.PerWorkerDataset(fn)`;
-  `steps_per_epoch` is required (the coordinator never sees the data, so it
-  cannot know where an epoch ends). Batch-level logs are the metrics
-  accumulated on the parameter servers so far (re-read at most every
-  `trainer.BATCH_LOG_INTERVAL` s); epoch-level logs are exact.
+  (copied to every worker), a `tfdist.PerWorkerDataset(fn)`, NumPy arrays,
+  or a `keras.utils.PyDataset` (see tfdist.ps.data); `class_weight` becomes
+  sample weights; `steps_per_epoch` is required where the coordinator cannot
+  know where an epoch ends (a dataset function, a repeating dataset).
+  Batch-level logs are the metrics accumulated on the parameter servers so
+  far (re-read at most every `trainer.BATCH_LOG_INTERVAL` s, and never before
+  the first step finished); epoch-level logs are exact.
 * `evaluate`: with `compile(pss_evaluation_shards=N or "auto")`, a finite
-  dataset is evaluated over the workers exactly once (tf_keras's argument,
-  which the TensorFlow tutorial uses); with `steps=N`, N test steps are
-  spread over the workers (each reads its own copy from the start: inexact,
-  and a warning says so for a repeating dataset); otherwise a finite dataset
-  is evaluated on the coordinator, exactly.
+  dataset (or arrays) is evaluated over the workers exactly once (tf_keras's
+  argument, which the TensorFlow tutorial uses); with `steps=N` and
+  per-worker input, N test steps are spread over the workers (each reads its
+  own copy from the start: inexact, and a warning says so for a repeating
+  dataset); otherwise Keras's own evaluate runs on the coordinator, exactly.
 * `predict` runs on the coordinator.
+
+Keras's evaluate and predict on the coordinator run outside the strategy's
+scope and without XLA (see `tfdist.compat.ps_keras.without_strategy`), so
+they also work inside `with strategy.scope():` and with `jit_compile=True`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import warnings
@@ -31,15 +38,10 @@ from typing import Any
 
 from tfdist.compat import ps_keras
 from tfdist.ps import data as data_lib
-from tfdist.ps.errors import lost_ps_is_an_error
+from tfdist.ps.errors import lost_ps_is_an_error, missing_worker_ops_explained
 from tfdist.ps.trainer import CoordinatorTrainer, StepHooks
 
 logger = logging.getLogger("tfdist")
-
-_STEPS_PER_EPOCH_HELP = (
-    "The coordinator schedules steps on the workers "
-    "without seeing their data, so it cannot know where a dataset ends: pass "
-    "steps_per_epoch=N (and make the dataset repeat(), so no worker runs out).")
 
 # Workers x this = the shards of pss_evaluation_shards="auto": small enough
 # pieces that a lost worker's shard is cheap to redo and the load evens out.
@@ -160,52 +162,63 @@ def fit(model, keras_fit, x=None, y=None, batch_size=None, epochs=1, verbose="au
         validation_steps=None, validation_batch_size=None, validation_freq=1):
     """`Model.fit` for a model built under a tfdist ParameterServerStrategy.
 
-    Same arguments as `keras.Model.fit`; `x` is `fn(input_context) ->
-    tf.data.Dataset`, a `tf.data.Dataset` (copied to every worker) or a
-    `tfdist.PerWorkerDataset(fn)`, and `steps_per_epoch` is required.
+    Same arguments as `keras.Model.fit`. `x` is `fn(input_context) ->
+    tf.data.Dataset` (called on every worker), a `tf.data.Dataset` (copied to
+    every worker), a `tfdist.PerWorkerDataset(fn)`, NumPy arrays (with `y`,
+    `batch_size`, `shuffle`, `sample_weight`, `validation_split`: Keras's
+    own batching, copied to every worker) or a `keras.utils.PyDataset` /
+    generator (read on the coordinator, each batch sent with its step).
+    `class_weight` becomes sample weights as in Keras. `steps_per_epoch` is
+    required where the coordinator cannot know where an epoch ends (a
+    dataset function, a dataset that repeats).
 
     Returns:
       The `History` callback, as `keras.Model.fit`.
 
     Raises:
       ValueError: missing `steps_per_epoch`, unsupported data or arguments
-        (`y`, `sample_weight`, `class_weight`, `batch_size`, `shuffle`,
-        `validation_split`, `validation_batch_size`: they belong in the dataset).
+        (`y`, `sample_weight`, `batch_size`, `validation_batch_size` with a
+        dataset: they belong in the dataset).
       ParameterServerError: a parameter server (or every worker) was lost.
     """
     del keras_fit
     ps_keras.assert_compiled(model, "fit")
-    data_lib.check_data(x, "x")
-    _check_steps(steps_per_epoch, "steps_per_epoch", _STEPS_PER_EPOCH_HELP)
-    fix = "Put labels, weights and batching inside the dataset."
-    _reject("fit", "y", y, None, fix)
-    _reject("fit", "sample_weight", sample_weight, None, fix)
-    _reject("fit", "class_weight", class_weight, None, "Weight the loss inside the dataset.")
-    _reject("fit", "batch_size", batch_size, None, "Batch inside the dataset function.")
-    _reject("fit", "shuffle", shuffle, _UNSET,
-            "Every worker reads its own dataset in that dataset's order: shuffle inside "
-            "it (ds.shuffle(buffer_size)) and leave shuffle out of fit.")
-    _reject("fit", "validation_split", validation_split, 0.0,
-            "Pass validation_data=... instead.")
-    _reject("fit", "validation_batch_size", validation_batch_size, None,
-            "Batch the validation dataset itself (validation_data=ds.batch(n)).")
+    if steps_per_epoch is not None:
+        _check_steps(steps_per_epoch, "steps_per_epoch", "")
     _check_validation_freq(validation_freq)
+    if validation_split and validation_data is None:
+        # Keras's own split (the last part of the arrays); it refuses other data.
+        (x, y, sample_weight), validation_data = ps_keras.train_validation_split(
+            (x, y, sample_weight), validation_split)
+    training = data_lib.training_data(
+        x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        shuffle=True if shuffle is _UNSET else shuffle, class_weight=class_weight,
+        steps_per_epoch=steps_per_epoch)
+    validation = None
     if validation_data is not None:
-        data_lib.check_data(validation_data, "validation_data")
+        validation = _EvaluationData.of(validation_data,
+                                        batch_size=validation_batch_size or batch_size)
+        if data_lib.is_dataset_like(validation.x):
+            _reject("fit", "validation_batch_size", validation_batch_size, None,
+                    "Batch the validation dataset itself (validation_data=ds.batch(n)).")
 
-    with lost_ps_is_an_error():
-        return _fit(model, x, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                    validation_data=validation_data, initial_epoch=initial_epoch,
-                    steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                    validation_freq=validation_freq)
+    try:
+        with lost_ps_is_an_error(), missing_worker_ops_explained():
+            return _fit(model, training, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                        validation=validation, initial_epoch=initial_epoch,
+                        validation_steps=validation_steps, validation_freq=validation_freq)
+    finally:
+        if data_lib.is_coordinator_feed(training.source):
+            training.source.close()
 
 
-def _fit(model, x, *, epochs, verbose, callbacks, validation_data, initial_epoch,
-         steps_per_epoch, validation_steps, validation_freq):
+def _fit(model, training: data_lib.TrainingData, *, epochs, verbose, callbacks, validation,
+         initial_epoch, validation_steps, validation_freq):
+    x = training.source
     trainer = CoordinatorTrainer.for_model(model)
     trainer.build(x)
     callbacks = _callback_list(callbacks, model, add_history=True, verbose=verbose,
-                               epochs=epochs, steps=steps_per_epoch)
+                               epochs=epochs, steps=training.steps_per_epoch)
     model.stop_training = False
     callbacks.on_train_begin()
     # keras.callbacks.BackupAndRestore sets the epoch it restored in on_train_begin; a
@@ -223,10 +236,10 @@ def _fit(model, x, *, epochs, verbose, callbacks, validation_data, initial_epoch
                               step + first, logs),
                           stop=lambda: model.stop_training)
         callbacks.on_epoch_begin(epoch)
-        epoch_logs = trainer.train(x, steps_per_epoch - first, hooks)
+        epoch_logs = trainer.train(x, training.steps_per_epoch - first, hooks)
         _report_rerun_after_write(trainer)
-        if validation_data is not None and _should_validate(epoch, validation_freq):
-            val_logs = _evaluate(model, validation_data, steps=validation_steps,
+        if validation is not None and _should_validate(epoch, validation_freq):
+            val_logs = _evaluate(model, validation, steps=validation_steps,
                                  callbacks=callbacks, verbose=verbose, in_fit=True)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
@@ -254,14 +267,35 @@ def _report_rerun_after_write(trainer: CoordinatorTrainer) -> None:
 # --- evaluate --------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _EvaluationData:
+    """What is evaluated: per-worker input, or data Keras reads (arrays, a PyDataset)."""
+
+    x: Any
+    y: Any = None
+    sample_weight: Any = None
+    batch_size: Any = None
+
+    @classmethod
+    def of(cls, validation_data, *, batch_size) -> "_EvaluationData":
+        import keras
+
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
+        return cls(x, y, sample_weight, batch_size)
+
+    @property
+    def per_worker(self) -> bool:
+        return data_lib.is_dataset_like(self.x)
+
+
 def evaluate(model, keras_evaluate, x=None, y=None, batch_size=None, verbose="auto",
              sample_weight=None, steps=None, callbacks=None, return_dict=False, **kwargs):
     """`Model.evaluate` for a model built under a tfdist ParameterServerStrategy.
 
-    Exactly once over a finite dataset when the model was compiled with
-    `pss_evaluation_shards`; with `steps`, that many test steps spread over
-    the workers; otherwise a finite `tf.data.Dataset` evaluated once on the
-    coordinator (reading the variables from the ps).
+    Exactly once over a finite dataset (or arrays) when the model was
+    compiled with `pss_evaluation_shards`; with `steps` and per-worker input,
+    that many test steps spread over the workers; otherwise Keras's own
+    evaluate on the coordinator (reading the variables from the ps), exact.
 
     Raises:
       ValueError: bad data or arguments, a dataset that never ends, `steps`
@@ -272,23 +306,35 @@ def evaluate(model, keras_evaluate, x=None, y=None, batch_size=None, verbose="au
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
     ps_keras.assert_compiled(model, "evaluate")
-    data_lib.check_data(x, "x")
-    fix = "Put labels, weights and batching inside the dataset."
-    _reject("evaluate", "y", y, None, fix)
-    _reject("evaluate", "sample_weight", sample_weight, None, fix)
-    _reject("evaluate", "batch_size", batch_size, None, "Batch inside the dataset function.")
-    with lost_ps_is_an_error():
-        logs = _evaluate(model, x, steps=steps, callbacks=callbacks, verbose=verbose,
+    data = _EvaluationData(x, y, sample_weight, batch_size)
+    if data.per_worker:
+        fix = "Put labels, weights and batching inside the dataset."
+        _reject("evaluate", "y", y, None, fix)
+        _reject("evaluate", "sample_weight", sample_weight, None, fix)
+        _reject("evaluate", "batch_size", batch_size, None, "Batch inside the dataset function.")
+    with lost_ps_is_an_error(), missing_worker_ops_explained():
+        logs = _evaluate(model, data, steps=steps, callbacks=callbacks, verbose=verbose,
                          in_fit=False, keras_evaluate=keras_evaluate)
     if return_dict:
         return logs
     return ps_keras.flatten_metrics(model, logs)
 
 
-def _evaluate(model, x, *, steps, callbacks, verbose, in_fit, keras_evaluate=None) -> dict:
+def _evaluate(model, data: _EvaluationData, *, steps, callbacks, verbose, in_fit,
+              keras_evaluate=None) -> dict:
     what = "validation_data" if in_fit else "x"
     steps_name = "validation_steps" if in_fit else "steps"
     shards = exact_evaluation_shards(model)
+    if not data.per_worker:
+        if not (shards and steps is None
+                and ps_keras.is_arrays(data.x, data.y, data.sample_weight)):
+            # A PyDataset or generator only this process can read, or arrays without
+            # exactly-once shards: Keras's own evaluate here, exact.
+            return _on_coordinator_evaluate(model, data, steps=steps, verbose=verbose,
+                                            callbacks=callbacks, keras_evaluate=keras_evaluate)
+        data = _EvaluationData(data_lib.evaluation_dataset(
+            data.x, data.y, data.sample_weight, data.batch_size))
+    x = data.x
     if shards:
         if steps is not None:
             raise ValueError(
@@ -324,8 +370,9 @@ def _evaluate(model, x, *, steps, callbacks, verbose, in_fit, keras_evaluate=Non
                 f"Received: {steps_name}=None. Pass a finite dataset (evaluated exactly once), "
                 "or compile(..., pss_evaluation_shards='auto') to spread that exact evaluation "
                 f"over the workers, or {steps_name}=N for N batches spread over the workers.")
-        return _on_coordinator_evaluate(model, data_lib.on_coordinator(x), verbose=verbose,
-                                        callbacks=callbacks, keras_evaluate=keras_evaluate)
+        return _on_coordinator_evaluate(
+            model, _EvaluationData(data_lib.on_coordinator(x)), steps=None, verbose=verbose,
+            callbacks=callbacks, keras_evaluate=keras_evaluate)
     _check_steps(steps, steps_name, "")
     if data_lib.is_infinite(x):
         warnings.warn(
@@ -347,13 +394,15 @@ def _evaluate(model, x, *, steps, callbacks, verbose, in_fit, keras_evaluate=Non
     return logs
 
 
-def _on_coordinator_evaluate(model, dataset, *, verbose, callbacks, keras_evaluate) -> dict:
-    """Keras's own evaluate on this process (no strategy): one exact pass over `dataset`."""
+def _on_coordinator_evaluate(model, data: _EvaluationData, *, steps, verbose, callbacks,
+                             keras_evaluate) -> dict:
+    """Keras's own evaluate on this process (no strategy): one exact pass over the data."""
     if keras_evaluate is None:  # validation inside fit: Keras's evaluate via the model
         keras_evaluate = _keras_method(model, "evaluate")
     with ps_keras.without_strategy(model):
-        return keras_evaluate(model, dataset, verbose=verbose, callbacks=callbacks,
-                              return_dict=True)
+        return keras_evaluate(model, data.x, data.y, batch_size=data.batch_size,
+                              sample_weight=data.sample_weight, steps=steps, verbose=verbose,
+                              callbacks=callbacks, return_dict=True)
 
 
 def _keras_method(model, name: str):
@@ -369,11 +418,14 @@ def predict(model, keras_predict, x, batch_size=None, verbose="auto", steps=None
             callbacks=None):
     """`Model.predict` under a tfdist ParameterServerStrategy: runs on the coordinator.
 
-    The ops run here and read the variables from the parameter servers.
+    The ops run here and read the variables from the parameter servers; a
+    dataset function or PerWorkerDataset is built here, with a default
+    InputContext.
     """
-    tf_dataset = data_lib.on_coordinator(x) if data_lib.is_per_worker_dataset(x) else x
+    if data_lib.dataset_fn_of(x) is not None:
+        x = data_lib.on_coordinator(x)
     with lost_ps_is_an_error(), ps_keras.without_strategy(model):
-        return keras_predict(model, tf_dataset, batch_size=batch_size, verbose=verbose,
+        return keras_predict(model, x, batch_size=batch_size, verbose=verbose,
                              steps=steps, callbacks=callbacks)
 
 

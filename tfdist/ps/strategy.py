@@ -23,7 +23,7 @@ def make_strategy(options: config_lib.ParameterServerOptions):
 
     In a TF_CONFIG cluster, worker and ps tasks do not return: they serve
     until stopped and then exit 0, so one script runs on every task. On the
-    coordinator, the Keras fixes of tfdist.compat.ps_variables and ps_fit are
+    coordinator, the fixes of tfdist.compat.ps_variables, ps_tables and ps_fit are
     installed (they apply only to strategies tfdist made), and the strategy's
     ClusterCoordinator is created with tfdist's worker-recovery handling.
 
@@ -35,11 +35,12 @@ def make_strategy(options: config_lib.ParameterServerOptions):
     tf = import_tensorflow()
     resolver, num_ps = servers.resolve_cluster(options)
     # Only the coordinator needs the Keras fixes (servers never import Keras).
-    from tfdist.compat import ps_fit, ps_keras, ps_variables
+    from tfdist.compat import ps_fit, ps_keras, ps_tables, ps_variables
     from tfdist.ps import keras_api
 
     ps_keras.check()
     ps_variables.install()
+    ps_tables.install()
     ps_fit.install(keras_api.ROUTES)
     strategy = tf.distribute.ParameterServerStrategy(
         resolver, variable_partitioner=_partitioner(tf, options, num_ps))

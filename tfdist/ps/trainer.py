@@ -107,7 +107,13 @@ class StepsReport:
 
 
 class _BatchLogs:
-    """Batch-level logs: the metrics accumulated on the ps so far, throttled."""
+    """Batch-level logs: the metrics accumulated on the ps so far, throttled.
+
+    They always name every metric, as Keras's batch logs do (callbacks format
+    them: `ModelCheckpoint("m-{loss:.2f}.keras", save_freq=N)`): the first read
+    of a run waits for the run's first step to finish, so no log reports the
+    metrics' reset state as a result.
+    """
 
     def __init__(self, model):
         self._model = model
@@ -116,14 +122,16 @@ class _BatchLogs:
         self._first = None
 
     def scheduled(self, remote_value) -> None:
-        """Notes a scheduled step; logs stay empty until the first one finished."""
+        """Notes a scheduled step (the first one is what the first read waits for)."""
         if self._first is None:
             self._first = remote_value
 
     def get(self) -> dict:
         now = time.monotonic()
-        if (now - self._read_at >= BATCH_LOG_INTERVAL and self._first is not None
-                and ps_keras.remote_value_done(self._first)):
+        if self._first is not None and (
+                not self._logs or now - self._read_at >= BATCH_LOG_INTERVAL):
+            if not self._logs:
+                self._first.fetch()  # raises what the step raised
             self._logs = ps_keras.pythonify(self._model.get_metrics_result())
             self._read_at = now
         return dict(self._logs)
@@ -186,21 +194,24 @@ class CoordinatorTrainer:
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)
 
-    def step_function(self, kind: str) -> Callable:
+    def step_function(self, kind: str, *, fed: bool = False) -> Callable:
         """The traced function one worker runs for one step ("train" or "test").
 
-        With `skip_completed_reruns`, a train step takes `(iterator, step_id,
-        rerun)` and, on a re-run, runs only if the ledger does not already
-        record `step_id` as applied (see `_ledger`); otherwise a step takes
-        `(iterator,)`.
+        A step takes the worker's iterator (per-worker input) or, `fed`, the
+        batch the coordinator read for it (a `data.CoordinatorFeed`). With
+        `skip_completed_reruns`, a train step also takes `(step_id, rerun)`
+        and, on a re-run, runs only if the ledger does not already record
+        `step_id` as applied (see `_ledger`).
         """
-        if kind not in self._functions:
+        key = (kind, fed)
+        if key not in self._functions:
             tf = import_tensorflow()
             step = self.model.train_step if kind == "train" else self.model.test_step
             strategy = self.strategy
 
-            def run(iterator):
-                outputs = strategy.run(step, args=(next(iterator),))
+            def run(iterator_or_batch):
+                batch = iterator_or_batch if fed else next(iterator_or_batch)
+                outputs = strategy.run(step, args=(batch,))
                 return strategy.experimental_local_results(outputs)[0]
 
             if kind == "train" and self.skip_completed_reruns:
@@ -208,9 +219,10 @@ class CoordinatorTrainer:
                 function = self._once_per_step_id(run)
             else:
                 function = run
-            # ClusterCoordinator.schedule needs a tf.function (run_eagerly cannot apply).
-            self._functions[kind] = tf.function(function)
-        return self._functions[kind]
+            # ClusterCoordinator.schedule needs a tf.function (run_eagerly cannot apply);
+            # fed batches change shape at an epoch's last, partial batch.
+            self._functions[key] = tf.function(function, reduce_retracing=fed)
+        return self._functions[key]
 
     def _ledger(self, steps: int):
         """A ps variable recording, per step id (mod its size), the last id applied.
@@ -226,7 +238,8 @@ class CoordinatorTrainer:
                 self._ledger_variable = tf.Variable(
                     tf.fill([max(steps, 1024)], tf.constant(-1, tf.int64)), trainable=False,
                     name="tfdist_applied_steps")
-            self._functions.pop("train", None)  # the step captures the ledger
+            for fed in (False, True):  # the train steps capture the ledger
+                self._functions.pop(("train", fed), None)
         return self._ledger_variable
 
     def _once_per_step_id(self, run: Callable) -> Callable:
@@ -267,43 +280,49 @@ class CoordinatorTrainer:
         return once
 
     def _iterator(self, slot: str, x):
-        """An iterator over per-worker copies of `x`, cached per input object."""
+        """An iterator over per-worker copies of `x`, kept for the slot's latest input object.
+
+        (A later call with the same object continues where the workers stand.)
+        """
         key = (slot, id(x))
         if key in self._iterators and self._iterators[key][0] is x:
             return self._iterators[key][1]
-        tf = import_tensorflow()
-        fn = data_lib.dataset_fn_of(x)
-        if fn is None:
-            per_worker = self.coordinator.create_per_worker_dataset(x)
-        else:
-            strategy = self.strategy
-
-            @tf.function
-            def per_worker_dataset_fn():
-                return strategy.distribute_datasets_from_function(fn)
-
-            per_worker = self.coordinator.create_per_worker_dataset(per_worker_dataset_fn)
+        per_worker = self.coordinator.create_per_worker_dataset(
+            data_lib.for_workers(x, self.strategy))
         iterator = iter(per_worker)
+        for old in [k for k in self._iterators if k[0] == slot]:
+            del self._iterators[old]
         self._iterators[key] = (x, iterator)
         return iterator
 
     # --- loops ----------------------------------------------------------------------
 
-    def _run(self, kind: str, x, num_steps: int, hooks: StepHooks) -> dict:
+    def _step_inputs(self, kind: str, x, num_steps: int | None):
+        """Each step's first argument: the per-worker iterator, or the batch read here."""
+        if data_lib.is_coordinator_feed(x):
+            for step, batch in enumerate(x.epoch()):
+                if num_steps is not None and step >= num_steps:
+                    return
+                yield batch
+            return
+        iterator = self._iterator(kind, x)
+        for _ in range(num_steps):
+            yield iterator
+
+    def _run(self, kind: str, x, num_steps: int | None, hooks: StepHooks) -> dict:
         from tfdist.compat import ps_recovery
 
         tf = import_tensorflow()
-        iterator = self._iterator(kind, x)
         gated = kind == "train" and self.skip_completed_reruns
         if gated:
-            self._ledger(num_steps)
-        function = self.step_function(kind)
+            self._ledger(num_steps or 1)
+        function = self.step_function(kind, fed=data_lib.is_coordinator_feed(x))
         batch_logs = _BatchLogs(self.model)
         last = None
         first_run = ps_recovery.first_run_flag()
-        for step in range(num_steps):
+        for step, first in enumerate(self._step_inputs(kind, x, num_steps)):
             hooks.begin(step)
-            args = (iterator,)
+            args = (first,)
             if gated:
                 # The failure handler swaps first_run for True when it re-runs this step.
                 args += (tf.constant(self._next_step_id, tf.int64), first_run)
@@ -317,11 +336,13 @@ class CoordinatorTrainer:
         logs = last.fetch() if last is not None else {}
         return ps_keras.pythonify(ps_keras.metrics_result_or_logs(self.model, logs))
 
-    def train(self, x, num_steps: int, hooks: StepHooks = StepHooks()) -> dict:
+    def train(self, x, num_steps: int | None, hooks: StepHooks = StepHooks()) -> dict:
         """Runs `num_steps` train steps over the workers (fresh metrics); returns exact logs.
 
-        The logs are the metrics read after every step finished. `last_report`
-        says how many steps ran and how many landed twice after a worker failure.
+        `x` is per-worker input or a `data.CoordinatorFeed` (then at most
+        `num_steps`, or the feed's epoch when None). The logs are the metrics
+        read after every step finished. `last_report` says how many steps ran
+        and how many landed twice after a worker failure.
         """
         from tfdist.compat import ps_recovery
 
@@ -408,13 +429,8 @@ class CoordinatorTrainer:
         key = ("exact", id(x))
         if key in self._iterators and self._iterators[key][0] is x:
             return self._iterators[key][1]
-        tf = import_tensorflow()
-        fn = data_lib.dataset_fn_of(x)
-        if fn is None:
-            source = x
-        else:
-            # Every worker builds the whole evaluation set; the shards split it.
-            source = lambda: fn(tf.distribute.InputContext())  # noqa: E731
+        # Every worker builds the whole evaluation set; the shards split it.
+        source = data_lib.for_workers(x, self.strategy, whole=True)
         datasets = ps_keras.per_worker_datasets(self.coordinator, source)
         self._iterators[key] = (x, datasets)
         return datasets
