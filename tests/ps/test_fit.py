@@ -3,9 +3,10 @@
 The cases live in tests/ps/run_fit_cases.py and tests/ps/run_parity_cases.py
 (users' programs) and run in one fresh pytest process, on one cluster: an
 in-process cluster renames this process's devices to /job:chief/..., after
-which MirroredStrategy collectives in the same process fail ("unknown device"), so it must not share the suite's process; and the
-cases install tfdist's compat fixes (and uninstall them for negative
-controls), which the rest of the suite must not see.
+which MirroredStrategy collectives in the same process fail ("unknown
+device"), so it must not share the suite's process; and the cases install
+tfdist's compat fixes (and uninstall them for negative controls), which the
+rest of the suite must not see.
 """
 
 import os

@@ -105,7 +105,7 @@ def restored_initial_epoch(model: Any) -> int | None:
 
 @contextlib.contextmanager
 def without_strategy(model: Any) -> Iterator[None]:
-    """Runs Keras's own evaluate/predict here: no strategy, no XLA, the coordinator's step functions.
+    """Runs Keras's own evaluate/predict here: no strategy, no XLA, the coordinator's functions.
 
     The ops run on the coordinator and read the variables from the parameter
     servers. Three things Keras would otherwise take from the strategy are
