@@ -143,10 +143,11 @@ def test_lookup_in_a_cond_fails_without_the_table_fixes(strategy):
             data_lib.for_workers(x, strategy)))
         values = [coordinator.schedule(step, args=(iterator,)) for _ in range(6)]
         coordinator.join()
-        return sorted(int(v.fetch()) for v in values)
+        return {int(v.fetch()) for v in values}
 
-    assert first_values(dataset_fn) == [-1, -1, 1, 1, 2, 2]
-    assert first_values(dataset_fn(None)) == [-1, -1, 1, 1, 2, 2]
+    # Each worker reads a, b, c, a, ...: 6 steps over 2 workers reach c (-1) on one at least.
+    assert first_values(dataset_fn) == {1, 2, -1}
+    assert first_values(dataset_fn(None)) == {1, 2, -1}
     _patch.uninstall(ps_tables.names())
     try:
         for x in (dataset_fn, dataset_fn(None)):
