@@ -38,8 +38,8 @@ def _trains(name, strategy, tmp_path):
                                   "string_lookup_function", "string_lookup_dataset"])
 def test_program_trains_with_exact_steps(name, strategy, tmp_path):
     result = _trains(name, strategy, tmp_path)
-    train = result["losses"][:3 if name != "captured_dataset" else 2]
-    assert train[-1] < train[0], (name, result["losses"])
+    first_fit = result["losses"][:3 if name != "captured_dataset" else 2]
+    assert first_fit[-1] < first_fit[0], (name, result["losses"])
 
 
 def test_validation_with_early_stopping_reduce_lr_and_tensorboard(strategy, tmp_path):

@@ -159,6 +159,8 @@ def is_dataset_like(x: Any) -> bool:
 
 def dataset_fn_of(x: Any) -> DatasetFn | None:
     """The per-worker function behind `x` (None for a plain tf.data.Dataset, arrays, a feed)."""
+    if is_epoch_dataset(x):
+        x = x.dataset
     if is_per_worker_dataset(x):
         return x.create
     if isinstance(x, tf.data.Dataset) or not is_dataset_like(x):
@@ -183,6 +185,8 @@ def element_spec(x: Any) -> Any:
     """One batch's spec, computed on the coordinator (nothing is read)."""
     if is_coordinator_feed(x):
         return x.element_spec
+    if is_epoch_dataset(x):
+        x = x.dataset
     return on_coordinator(x).element_spec
 
 
@@ -208,6 +212,8 @@ def for_workers(x: Any, strategy, *, whole: bool = False) -> Any:
     once and copying the dataset it returns to every worker is the same
     input, and that is what happens then.
     """
+    if is_epoch_dataset(x):
+        x = x.dataset
     fn = dataset_fn_of(x)
     if fn is None:
         return x
@@ -277,6 +283,29 @@ def is_coordinator_feed(x: Any) -> bool:
     return isinstance(x, CoordinatorFeed)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class EpochDataset:
+    """A finite dataset that the workers read in passes, each from its start, as Keras does.
+
+    Keras's own `fit` reads finite data with a new iterator for every pass
+    (every epoch, or with `steps_per_epoch`, whenever a pass ends), so what a
+    new iterator does is what a pass does: a `Dataset.shuffle` reshuffles, and
+    Keras's array adapter, whose permutation comes from a random op inside the
+    dataset, gives the same order every pass when a global seed is set. The
+    dataset is copied to the workers once; each pass every worker starts a new
+    iterator over its copy (a repeated dataset would run those random ops on,
+    not restart them). A pass is `pass_steps` steps of all workers together,
+    so no worker runs out (see `CoordinatorTrainer`).
+    """
+
+    dataset: Any
+    pass_steps: int
+
+
+def is_epoch_dataset(x: Any) -> bool:
+    return isinstance(x, EpochDataset)
+
+
 # --- fit's data arguments --------------------------------------------------------------
 
 
@@ -285,8 +314,9 @@ class TrainingData:
     """What `fit`'s data arguments become.
 
     Attributes:
-      source: what `CoordinatorTrainer.train` reads: a function, Dataset or
-        PerWorkerDataset (each worker reads its own), or a `CoordinatorFeed`.
+      source: what `CoordinatorTrainer.train` reads: a function, Dataset,
+        PerWorkerDataset or `EpochDataset` (each worker reads its own copy),
+        or a `CoordinatorFeed`.
       steps_per_epoch: steps per epoch; None only for a feed that ends by itself.
     """
 
@@ -299,12 +329,12 @@ def training_data(x: Any, *, y=None, sample_weight=None, batch_size=None, shuffl
     """Turns `fit`'s data arguments into what the workers read.
 
     Per-worker input (a function, Dataset, PerWorkerDataset) is used as it is,
-    with `class_weight` mapped over it; a finite Dataset without
-    `steps_per_epoch` is repeated, one epoch being one pass of it (its
-    cardinality). Arrays go through Keras's own array adapter (batching,
-    shuffling every epoch, sample and class weights) into a dataset copied to
-    every worker; a PyDataset or generator through Keras's adapter on the
-    coordinator (`CoordinatorFeed`).
+    with `class_weight` mapped over it, except that a finite dataset becomes
+    an `EpochDataset`, read in passes as Keras reads it (an epoch is one pass
+    without `steps_per_epoch`). Arrays go through Keras's own array adapter
+    (batching, shuffling, sample and class weights) into an `EpochDataset`; a
+    PyDataset or generator through Keras's adapter on the coordinator
+    (`CoordinatorFeed`).
 
     Raises:
       ValueError: arguments a form does not take (`y`, `sample_weight`,
@@ -322,9 +352,8 @@ def training_data(x: Any, *, y=None, sample_weight=None, batch_size=None, shuffl
                     f"dataset or a dataset function. Received: {name}={value!r}. {fix}")
         if class_weight is not None:
             x = with_class_weight(x, class_weight)
-        if steps_per_epoch is None:
-            x, steps_per_epoch = _one_pass_per_epoch(x)
-        return TrainingData(x, steps_per_epoch)
+        passes = _in_passes(x, steps_per_epoch)
+        return TrainingData(passes or x, steps_per_epoch or passes.pass_steps)
     from tfdist.compat import ps_keras
 
     epochs = _keras_epochs(x, y=y, sample_weight=sample_weight, batch_size=batch_size,
@@ -333,10 +362,9 @@ def training_data(x: Any, *, y=None, sample_weight=None, batch_size=None, shuffl
     adapter = epochs.data_adapter
     if (ps_keras.is_array_adapter(adapter)
             and _nbytes((x, y, sample_weight)) <= ARRAY_BYTES_PER_WORKER_COPY):
-        # Keras's dataset for one epoch (batched, shuffled per pass); repeated, each
-        # pass a new epoch, as Keras's fit iterates it again every epoch.
-        dataset = adapter.get_tf_dataset().repeat()
-        return TrainingData(dataset, steps_per_epoch or adapter.num_batches)
+        # Keras's dataset for one pass (batched, shuffled), read in passes as Keras does.
+        passes = EpochDataset(adapter.get_tf_dataset(), adapter.num_batches)
+        return TrainingData(passes, steps_per_epoch or passes.pass_steps)
     feed = CoordinatorFeed(epochs)
     return TrainingData(feed, feed.steps_per_epoch)
 
@@ -363,29 +391,33 @@ def _keras_epochs(x, **kwargs):
             f"keras.utils.PyDataset. Received: x of type {type(x).__name__}.") from e
 
 
-def _one_pass_per_epoch(x) -> tuple[Any, int]:
+def _in_passes(x, steps_per_epoch) -> EpochDataset | None:
+    """A finite dataset as an EpochDataset (None: x is used as it is, steps_per_epoch given)."""
     if dataset_fn_of(x) is not None and not is_per_worker_dataset(x):
-        raise ValueError(
-            "steps_per_epoch is required under ParameterServerStrategy when x is a dataset "
-            "function. Received: steps_per_epoch=None. The coordinator schedules steps on the "
-            "workers without seeing their data, so it cannot know where an epoch ends: pass "
-            "steps_per_epoch=N (and make the dataset repeat(), so no worker runs out).")
+        if steps_per_epoch is None:
+            raise ValueError(
+                "steps_per_epoch is required under ParameterServerStrategy when x is a "
+                "dataset function. Received: steps_per_epoch=None. The coordinator schedules "
+                "steps on the workers without seeing their data, so it cannot know where an "
+                "epoch ends: pass steps_per_epoch=N (and make the dataset repeat(), so no "
+                "worker runs out).")
+        return None
     cardinality = int(on_coordinator(x).cardinality())
+    if cardinality > 0:
+        return EpochDataset(x, cardinality)
+    if steps_per_epoch is not None:
+        return None
     if cardinality == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError(
             "steps_per_epoch is required under ParameterServerStrategy when x repeats "
             "forever. Received: steps_per_epoch=None with an infinite dataset. Pass "
             "steps_per_epoch=N.")
-    if cardinality < 1:
-        raise ValueError(
-            "steps_per_epoch is required under ParameterServerStrategy when the number of "
-            "batches in x is unknown (a filter(), flat_map() or from_generator() hides it). "
-            f"Received: steps_per_epoch=None, x.cardinality()={cardinality}. Pass "
-            "steps_per_epoch=N (and make the dataset repeat(), so no worker runs out), or "
-            "x.apply(tf.data.experimental.assert_cardinality(N)).")
-    # Every worker reads its own copy: repeated, so none runs out while the others
-    # still take steps; one epoch is one pass worth of steps.
-    return x.repeat(), cardinality
+    raise ValueError(
+        "steps_per_epoch is required under ParameterServerStrategy when the number of "
+        "batches in x is unknown (a filter(), flat_map() or from_generator() hides it). "
+        f"Received: steps_per_epoch=None, x.cardinality()={cardinality}. Pass "
+        "steps_per_epoch=N (and make the dataset repeat(), so no worker runs out), or "
+        "x.apply(tf.data.experimental.assert_cardinality(N)).")
 
 
 def with_class_weight(x: Any, class_weight: dict) -> Any:

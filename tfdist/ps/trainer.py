@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -80,6 +81,16 @@ class StepHooks:
     begin: Callable[[int], None] = lambda step: None
     end: Callable[[int, dict], None] = lambda step, logs: None
     stop: Callable[[], bool] = lambda: False
+
+
+@dataclasses.dataclass(eq=False)
+class _WorkerInput:
+    """Per-worker copies of one input (`x`), the iterator the steps read, and how far it is."""
+
+    x: Any
+    per_worker: Any
+    iterator: Any
+    taken: int = 0  # steps taken from `iterator` (a data.EpochDataset's pass)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +163,7 @@ class CoordinatorTrainer:
         self.compile_token = ps_keras.compile_token(model)
         self.skip_completed_reruns = _SKIP_COMPLETED.get(strategy, False)
         self._functions: dict[Any, Callable] = {}
-        self._iterators: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._iterators: dict[tuple[str, int], _WorkerInput] = {}
         self._ledger_variable = None
         self._next_step_id = 0
         self.last_report: StepsReport | None = None
@@ -279,21 +290,25 @@ class CoordinatorTrainer:
 
         return once
 
-    def _iterator(self, slot: str, x):
-        """An iterator over per-worker copies of `x`, kept for the slot's latest input object.
+    def _input(self, slot: str, x) -> "_WorkerInput":
+        """The per-worker copies of `x` and their iterator, kept for the slot's latest input.
 
-        (A later call with the same object continues where the workers stand.)
+        A later call with the same object continues where the workers stand.
         """
         key = (slot, id(x))
-        if key in self._iterators and self._iterators[key][0] is x:
-            return self._iterators[key][1]
+        entry = self._iterators.get(key)
+        if entry is not None and entry.x is x:
+            return entry
         per_worker = self.coordinator.create_per_worker_dataset(
             data_lib.for_workers(x, self.strategy))
-        iterator = iter(per_worker)
         for old in [k for k in self._iterators if k[0] == slot]:
             del self._iterators[old]
-        self._iterators[key] = (x, iterator)
-        return iterator
+        entry = self._iterators[key] = _WorkerInput(x, per_worker, iter(per_worker))
+        return entry
+
+    def _iterator(self, slot: str, x):
+        """An iterator over per-worker copies of `x` (see `_input`)."""
+        return self._input(slot, x).iterator
 
     # --- loops ----------------------------------------------------------------------
 
@@ -305,9 +320,34 @@ class CoordinatorTrainer:
                     return
                 yield batch
             return
+        if data_lib.is_epoch_dataset(x):
+            yield from self._passes(kind, x, num_steps)
+            return
         iterator = self._iterator(kind, x)
         for _ in range(num_steps):
             yield iterator
+
+    def _passes(self, slot: str, x, num_steps: int):
+        """Steps over a `data.EpochDataset`, read in passes as Keras's `EpochIterator` does.
+
+        Each pass is `x.pass_steps` steps (all workers together, so no worker
+        reads past the end of its copy) over new iterators; an epoch that
+        reaches the end of a pass before `num_steps` ends there, with Keras's
+        warning, and the next epoch starts the next pass.
+        """
+        entry = self._input(slot, x)
+        for _ in range(num_steps):
+            if entry.taken >= x.pass_steps:
+                warnings.warn(
+                    "Your input ran out of data; interrupting training. Make sure that your "
+                    "dataset or generator can generate at least `steps_per_epoch * epochs` "
+                    "batches. You may need to use the `.repeat()` function when building "
+                    "your dataset.", stacklevel=5)
+                break
+            entry.taken += 1
+            yield entry.iterator
+        if entry.taken >= x.pass_steps:
+            entry.iterator, entry.taken = iter(entry.per_worker), 0
 
     def _run(self, kind: str, x, num_steps: int | None, hooks: StepHooks) -> dict:
         from tfdist.compat import ps_recovery
@@ -427,12 +467,12 @@ class CoordinatorTrainer:
 
     def _per_worker_datasets(self, x):
         key = ("exact", id(x))
-        if key in self._iterators and self._iterators[key][0] is x:
-            return self._iterators[key][1]
+        if key in self._iterators and self._iterators[key].x is x:
+            return self._iterators[key].per_worker
         # Every worker builds the whole evaluation set; the shards split it.
         source = data_lib.for_workers(x, self.strategy, whole=True)
         datasets = ps_keras.per_worker_datasets(self.coordinator, source)
-        self._iterators[key] = (x, datasets)
+        self._iterators[key] = _WorkerInput(x, datasets, None)
         return datasets
 
     def evaluate_exactly(self, x, num_shards: int, hooks: StepHooks = StepHooks()) -> dict:
