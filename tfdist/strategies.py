@@ -574,7 +574,7 @@ register_preset(
     features=COMMON_FEATURES,
     # Its factory installs the Keras fixes and worker recovery on the coordinator only
     # (workers and ps serve inside it and never return).
-    fixes=("ps_keras", "ps_variables", "ps_fit", "ps_recovery"),
+    fixes=("ps_keras", "ps_variables", "ps_tables", "ps_fit", "ps_recovery"),
     factory="tfdist.ps.strategy:make_strategy",
 )
 

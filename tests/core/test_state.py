@@ -73,7 +73,7 @@ def test_strategies_tfdist_did_not_make_have_no_record():
     ("parameter_server", {"local_workers": 1, "local_ps": 1},
      ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "keras_losses",
       "keras_xla", "loss_scale", "keras_backup"),
-     ("ps_keras", "ps_variables", "ps_fit", "ps_recovery")),
+     ("ps_keras", "ps_variables", "ps_tables", "ps_fit", "ps_recovery")),
 ])
 def test_installs_reads_the_registry_row(preset, options, features, fixes):
     installs = tfdist.installs(preset, **options)
@@ -118,6 +118,8 @@ ALLOWED_WEAK_TABLES = {
     "tfdist/compat/optimizer_update.py": "optimizers opted in to summed sparse gradients",
     "tfdist/compat/placed_training.py": "optimizers whose slots follow their variables",
     "tfdist/ps/keras_api.py": "model -> exact-evaluation shards",
+    "tfdist/compat/ps_keras.py": "model -> the evaluate/predict functions built for the "
+                                 "parameter-server coordinator",
     "tfdist/ps/trainer.py": "model -> its coordinator trainer; strategy -> skip_completed_reruns "
                             "(moves to StrategyState with the parameter-server work)",
     "tfdist/compat/ps_recovery.py": "coordinator -> its recovery handler (moves to "

@@ -241,6 +241,33 @@ def per_worker_datasets(coordinator: Any, dataset_or_fn: Any) -> Any:
     return build()
 
 
+def iterators_over(coordinator: Any, datasets: Any, dataset: Any) -> Any:
+    """A new iterator on every worker over its dataset in `datasets` (from `per_worker_datasets`).
+
+    What `iter()` of a per-worker dataset does (TensorFlow's
+    `PerWorkerDatasetFromDatasetFunction.__iter__`), over the datasets already
+    on the workers instead of new copies: as `iter()` again on one
+    tf.data.Dataset, a `shuffle()` then draws its next order (its seed
+    generator belongs to the dataset), where a new copy repeats its first.
+    `dataset` is the coordinator's copy (for the iterators' type spec).
+
+    Raises:
+      CompatError: a member this reads is missing in this TensorFlow.
+    """
+    from tensorflow.python.distribute import input_lib
+    from tensorflow.python.distribute.coordinator import values as coordinator_values
+
+    require_attributes(coordinator, "_create_per_worker_resources", what="ClusterCoordinator")
+    require_attributes(coordinator_values, "PerWorkerDistributedIterator",
+                       what="tensorflow coordinator values")
+    require_attributes(input_lib, "get_iterator_spec_from_dataset", what="tensorflow input_lib")
+    per_worker = coordinator._create_per_worker_resources(iter, args=(datasets,))
+    spec = input_lib.get_iterator_spec_from_dataset(coordinator.strategy, dataset)
+    for value in per_worker._values:
+        value._type_spec = spec
+    return coordinator_values.PerWorkerDistributedIterator(per_worker._values)
+
+
 def owned_ps_strategy(strategy: Any) -> bool:
     """True for a ParameterServerStrategy made by tfdist (the only kind the PS fixes change)."""
     from tfdist.compat import _owner

@@ -299,12 +299,23 @@ class CoordinatorTrainer:
         entry = self._iterators.get(key)
         if entry is not None and entry.x is x:
             return entry
-        per_worker = self.coordinator.create_per_worker_dataset(
-            data_lib.for_workers(x, self.strategy))
         for old in [k for k in self._iterators if k[0] == slot]:
             del self._iterators[old]
-        entry = self._iterators[key] = _WorkerInput(x, per_worker, iter(per_worker))
+        if data_lib.is_epoch_dataset(x):
+            # Every pass iterates the same dataset on each worker again, as Keras does.
+            datasets = ps_keras.per_worker_datasets(self.coordinator,
+                                                    data_lib.for_workers(x, self.strategy))
+            entry = _WorkerInput(x, datasets, self._new_pass(x, datasets))
+        else:
+            per_worker = self.coordinator.create_per_worker_dataset(
+                data_lib.for_workers(x, self.strategy))
+            entry = _WorkerInput(x, per_worker, iter(per_worker))
+        self._iterators[key] = entry
         return entry
+
+    def _new_pass(self, x, datasets):
+        return ps_keras.iterators_over(self.coordinator, datasets,
+                                       data_lib.on_coordinator(x.dataset))
 
     def _iterator(self, slot: str, x):
         """An iterator over per-worker copies of `x` (see `_input`)."""
@@ -347,7 +358,7 @@ class CoordinatorTrainer:
             entry.taken += 1
             yield entry.iterator
         if entry.taken >= x.pass_steps:
-            entry.iterator, entry.taken = iter(entry.per_worker), 0
+            entry.iterator, entry.taken = self._new_pass(x, entry.per_worker), 0
 
     def _run(self, kind: str, x, num_steps: int | None, hooks: StepHooks) -> dict:
         from tfdist.compat import ps_recovery
