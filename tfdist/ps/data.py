@@ -287,19 +287,26 @@ def is_coordinator_feed(x: Any) -> bool:
 class EpochDataset:
     """A finite dataset that the workers read in passes, each from its start, as Keras does.
 
-    Keras's own `fit` reads finite data with a new iterator for every pass
-    (every epoch, or with `steps_per_epoch`, whenever a pass ends), so what a
-    new iterator does is what a pass does: a `Dataset.shuffle` reshuffles, and
-    Keras's array adapter, whose permutation comes from a random op inside the
-    dataset, gives the same order every pass when a global seed is set. The
-    dataset is copied to the workers once; each pass every worker starts a new
-    iterator over its copy (a repeated dataset would run those random ops on,
-    not restart them). A pass is `pass_steps` steps of all workers together,
-    so no worker runs out (see `CoordinatorTrainer`).
+    Keras's own `fit` reads finite data with a new iterator of the same
+    Dataset for every pass, so what a new iterator does is what a pass does:
+    a `Dataset.shuffle` draws its next order, and Keras's array adapter, whose
+    permutation comes from a random op inside the dataset, gives the same
+    order every pass when a global seed is set. The dataset is copied to the
+    workers once; each pass every worker starts a new iterator over its copy
+    (a repeated dataset would run those random ops on, not restart them). A
+    pass is `pass_steps` steps of all workers together, so no worker runs out
+    (see `CoordinatorTrainer`).
+
+    Without `steps_per_epoch` (`epoch_is_pass`) Keras starts a new iterator at
+    the start of every epoch and also when a pass ends, so each epoch after the
+    first draws the shuffle's next order but one; with `steps_per_epoch` an
+    epoch continues the iterator the last one left, and a new one starts only
+    when a pass ends.
     """
 
     dataset: Any
     pass_steps: int
+    epoch_is_pass: bool = False
 
 
 def is_epoch_dataset(x: Any) -> bool:
@@ -363,7 +370,8 @@ def training_data(x: Any, *, y=None, sample_weight=None, batch_size=None, shuffl
     if (ps_keras.is_array_adapter(adapter)
             and _nbytes((x, y, sample_weight)) <= ARRAY_BYTES_PER_WORKER_COPY):
         # Keras's dataset for one pass (batched, shuffled), read in passes as Keras does.
-        passes = EpochDataset(adapter.get_tf_dataset(), adapter.num_batches)
+        passes = EpochDataset(adapter.get_tf_dataset(), adapter.num_batches,
+                              epoch_is_pass=steps_per_epoch is None)
         return TrainingData(passes, steps_per_epoch or passes.pass_steps)
     feed = CoordinatorFeed(epochs)
     return TrainingData(feed, feed.steps_per_epoch)
@@ -404,7 +412,7 @@ def _in_passes(x, steps_per_epoch) -> EpochDataset | None:
         return None
     cardinality = int(on_coordinator(x).cardinality())
     if cardinality > 0:
-        return EpochDataset(x, cardinality)
+        return EpochDataset(x, cardinality, epoch_is_pass=steps_per_epoch is None)
     if steps_per_epoch is not None:
         return None
     if cardinality == int(tf.data.INFINITE_CARDINALITY):

@@ -305,7 +305,7 @@ class CoordinatorTrainer:
             # Every pass iterates the same dataset on each worker again, as Keras does.
             datasets = ps_keras.per_worker_datasets(self.coordinator,
                                                     data_lib.for_workers(x, self.strategy))
-            entry = _WorkerInput(x, datasets, self._new_pass(x, datasets))
+            entry = _WorkerInput(x, datasets, None)  # the first epoch starts it
         else:
             per_worker = self.coordinator.create_per_worker_dataset(
                 data_lib.for_workers(x, self.strategy))
@@ -342,11 +342,14 @@ class CoordinatorTrainer:
         """Steps over a `data.EpochDataset`, read in passes as Keras's `EpochIterator` does.
 
         Each pass is `x.pass_steps` steps (all workers together, so no worker
-        reads past the end of its copy) over new iterators; an epoch that
-        reaches the end of a pass before `num_steps` ends there, with Keras's
-        warning, and the next epoch starts the next pass.
+        reads past the end of its copy) over new iterators, started where
+        Keras starts them (see `data.EpochDataset`); an epoch that reaches the
+        end of a pass before `num_steps` ends there, with Keras's warning, and
+        the next epoch starts the next pass.
         """
         entry = self._input(slot, x)
+        if entry.iterator is None or x.epoch_is_pass:
+            entry.iterator, entry.taken = self._new_pass(x, entry.per_worker), 0
         for _ in range(num_steps):
             if entry.taken >= x.pass_steps:
                 warnings.warn(
