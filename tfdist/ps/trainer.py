@@ -301,19 +301,24 @@ class CoordinatorTrainer:
             return entry
         for old in [k for k in self._iterators if k[0] == slot]:
             del self._iterators[old]
-        if data_lib.is_epoch_dataset(x):
+        tf = import_tensorflow()
+        source = data_lib.for_workers(x, self.strategy)
+        if data_lib.is_epoch_dataset(x) and isinstance(source, tf.data.Dataset):
             # Every pass iterates the same dataset on each worker again, as Keras does.
-            datasets = ps_keras.per_worker_datasets(self.coordinator,
-                                                    data_lib.for_workers(x, self.strategy))
+            datasets = ps_keras.per_worker_datasets(self.coordinator, source)
             entry = _WorkerInput(x, datasets, None)  # the first epoch starts it
+        elif data_lib.is_epoch_dataset(x):
+            # A dataset function (a PerWorkerDataset's): each pass calls it again.
+            entry = _WorkerInput(x, self.coordinator.create_per_worker_dataset(source), None)
         else:
-            per_worker = self.coordinator.create_per_worker_dataset(
-                data_lib.for_workers(x, self.strategy))
+            per_worker = self.coordinator.create_per_worker_dataset(source)
             entry = _WorkerInput(x, per_worker, iter(per_worker))
         self._iterators[key] = entry
         return entry
 
     def _new_pass(self, x, datasets):
+        if hasattr(datasets, "build"):  # a per-worker dataset function's
+            return iter(datasets)
         return ps_keras.iterators_over(self.coordinator, datasets,
                                        data_lib.on_coordinator(x.dataset))
 
