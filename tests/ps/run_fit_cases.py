@@ -490,3 +490,85 @@ def test_a_rerun_of_an_applied_step_applies_nothing(strategy, data):
         np.testing.assert_array_equal(a, b)
     again, _ = run(ps_recovery.first_run_flag())
     assert again == after + 1
+
+
+def _vae(strategy):
+    """keras.io's VAE, shrunk: a train_step of its own, sub-models, no call(); Adam."""
+    import keras
+    import tensorflow as tf
+
+    class Sampling(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.seed_generator = keras.random.SeedGenerator(1337)
+
+        def call(self, inputs):
+            z_mean, z_log_var = inputs
+            epsilon = keras.random.normal(tf.shape(z_mean), seed=self.seed_generator)
+            return z_mean + tf.exp(0.5 * z_log_var) * epsilon
+
+    class VAE(keras.Model):
+        def __init__(self, encoder, decoder, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder, self.decoder = encoder, decoder
+            self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+
+        @property
+        def metrics(self):
+            return [self.total_loss_tracker]
+
+        def train_step(self, data):
+            with tf.GradientTape() as tape:
+                z_mean, z_log_var, z = self.encoder(data)
+                reconstruction = self.decoder(z)
+                reconstruction_loss = tf.reduce_mean(tf.reduce_sum(
+                    tf.square(data - reconstruction), axis=1))
+                kl = -0.5 * (1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
+                total_loss = reconstruction_loss + tf.reduce_mean(tf.reduce_sum(kl, axis=1))
+            grads = tape.gradient(total_loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            self.total_loss_tracker.update_state(total_loss)
+            return {"loss": self.total_loss_tracker.result()}
+
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
+        z_mean, z_log_var = keras.layers.Dense(2)(hidden), keras.layers.Dense(2)(hidden)
+        encoder = keras.Model(inputs, [z_mean, z_log_var, Sampling()([z_mean, z_log_var])])
+        latent = keras.Input((2,))
+        decoder = keras.Model(latent, keras.layers.Dense(8)(keras.layers.Dense(8)(latent)))
+        vae = VAE(encoder, decoder)
+        vae.compile(optimizer=keras.optimizers.Adam(0.01))
+    return vae
+
+
+def test_model_with_a_train_step_and_no_call_trains_as_on_one_device(strategy, data,
+                                                                      monkeypatch):
+    import tensorflow as tf
+
+    from tfdist.compat import keras_build
+
+    x = data[0][:GLOBAL_BATCH]
+    # One batch every step; one step per epoch, so each step finishes (on
+    # whichever worker) before the next starts: one device's sequence of updates.
+    fixed = lambda input_context: tf.data.Dataset.from_tensors(x).repeat()  # noqa: E731
+    steps = 3
+    reference = _vae(tf.distribute.get_strategy())
+    expected = reference.fit(tf.data.Dataset.from_tensors(x).repeat(), epochs=steps,
+                             steps_per_epoch=1, verbose=0).history["loss"]
+
+    vae = _vae(strategy)
+    history = vae.fit(fixed, epochs=steps, steps_per_epoch=1, verbose=0)
+    assert int(vae.optimizer.iterations.numpy()) == steps
+    np.testing.assert_allclose(history.history["loss"], expected, rtol=0, atol=1e-6)
+    for ps_weight, one in zip(vae.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ps_weight, one, rtol=0, atol=1e-6)
+    # Adam's slots, made while the first step was traced, live on the ps.
+    devices = [v.value.device for v in vae.optimizer.variables]
+    assert len(devices) > 2 and all("/job:ps" in d for d in devices), devices
+
+    # Negative control: the symbolic build run on such a model, as before.
+    monkeypatch.setattr(keras_build, "has_own_call", lambda model: True)
+    with pytest.raises(Exception, match="Unable to automatically build the model"):
+        _vae(strategy).fit(fixed, epochs=1, steps_per_epoch=1, verbose=0)

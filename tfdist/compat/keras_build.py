@@ -25,7 +25,9 @@
    symbolically at all: the forward pass raises, and Keras reports "Unable to
    automatically build the model". Without a strategy Keras never tries: such a
    model and its optimizers are built while the first step is traced. The
-   replacement does the same for these models under a tfdist strategy.
+   replacement does the same for these models under a tfdist strategy (under
+   `parameter_server`, `tfdist.ps.CoordinatorTrainer.build` builds models
+   itself, not through this method, and skips them the same way).
    Shape relied on: the epoch iterator is iterable and yields tuples whose last
    item is the data iterator (Keras 3.10 yields `(step, iterator)`, 3.11.3 and
    later `(begin_step, end_step, iterator)`; both work); `keras.Model.call` is

@@ -44,7 +44,7 @@ import weakref
 from typing import Any, Callable
 
 from tfdist._tf import import_tensorflow
-from tfdist.compat import optimizer_update, ps_keras
+from tfdist.compat import keras_build, optimizer_update, ps_keras
 from tfdist.ps import data as data_lib
 
 # Batch-level logs are re-read from the parameter servers at most this often
@@ -200,6 +200,13 @@ class CoordinatorTrainer:
                 "model.compile(...) inside `with strategy.scope():`.")
         if optimizer is not None:
             optimizer_update.refuse_accumulation_under_parameter_server(optimizer)
+        if not keras_build.has_own_call(model):
+            # Nothing to run symbolically (a `train_step` and no `call()`: keras.io's VAE
+            # and GAN): its sub-models are built already, and its optimizers create their
+            # variables, under this strategy's scope, while the first step is traced on
+            # the coordinator (see `tfdist.compat.keras_build`), as Keras does without a
+            # strategy.
+            return
         with self.strategy.scope():
             ps_keras.symbolic_build(model, data_lib.element_spec(x))
             if model.optimizer is not None and not model.optimizer.built:
