@@ -173,7 +173,7 @@ def tape_gradient(tf, keras, strategy):
 
 def canaries(tf, keras, strategy):
     """Each fix uninstalled: Keras's own path on sharded variables still fails."""
-    from tfdist.compat import _patch
+    from tfdist.compat import _patch, keras_build
     from tfdist.compat import ps_variables as pv
 
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -182,7 +182,9 @@ def canaries(tf, keras, strategy):
     for fix, optimizer in ((pv.SLOT_FROM_REFERENCE, "rmsprop"), (pv.TAPE_GRADIENT, "sgd"),
                            (pv.DISTRIBUTED_UPDATE_STEP, "sgd"), (pv.WEIGHT_DECAY, "adamw"),
                            (pv.ARRAY, None)):
-        _patch.uninstall([fix.name])
+        # Keras's own path: keras_build.optimizer_variables (every preset's) creates slots
+        # under tf.init_scope, which on Keras 3.10 lets the unpatched slot path through.
+        _patch.uninstall([fix.name, keras_build.OPTIMIZER_VARIABLES_FIX.name])
         try:
             with strategy.scope():
                 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
@@ -211,6 +213,7 @@ def canaries(tf, keras, strategy):
             failures[fix.name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
         finally:
             _patch.install(fix)
+            _patch.install(keras_build.OPTIMIZER_VARIABLES_FIX)
     return {"canaries": failures}
 
 

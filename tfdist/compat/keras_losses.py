@@ -211,8 +211,11 @@ def _make_apply(original):
     tf = import_tensorflow()
 
     def applies(self, grads, trainable_variables=None):
+        # The marked step is a tfdist strategy's (see _make_step), whatever strategy the
+        # optimizer recorded: one made outside the scope and compiled inside it (a
+        # SequenceParallelModel compiles in its strategy's scope) records the default
+        # strategy, and its loss was left unscaled all the same.
         return (_replicas_here() > 0 and not getattr(_state, "applying", False)
-                and _owner.owns(getattr(self, "_distribution_strategy", None))
                 and not tf.distribute.in_cross_replica_context())
 
     @_patch.passthrough(original, applies)
