@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue as queue_lib
 import threading
 import time
 import weakref
@@ -90,6 +91,13 @@ def check() -> None:
                       what="WorkerPreemptionHandler.wait_on_failure")
     require_attributes(cc.Cluster, "_record_and_ignore_transient_ps_failure",
                        "_record_and_ignore_transient_timeouts", what="ClusterCoordinator Cluster")
+    # _fail sets the error of the steps still queued.
+    require_attributes(cc.Closure, "maybe_call_with_output_remote_value",
+                       what="ClusterCoordinator Closure")
+    from tensorflow.python.distribute.coordinator import values as coordinator_values
+
+    require_attributes(coordinator_values.RemoteValueImpl, "_set_error",
+                       what="ClusterCoordinator RemoteValueImpl")
 
 
 def _step_closure_in(fn: Callable | None):
@@ -343,11 +351,24 @@ class PartialRecovery:
         return errors.UnavailableError(None, None, message)
 
     def _fail(self, error: Exception) -> None:
-        """Fails the scheduled steps: the coordinator's join()/schedule() raise `error`."""
+        """Fails the scheduled steps: the coordinator's join()/schedule() raise `error`.
+
+        The steps still queued fail with `error` too, so a coordinator that
+        waits on one step's RemoteValue (tfdist's first batch log reads the
+        first step's) gets it as well: TensorFlow fails queued steps only
+        when join()/schedule() next runs, which that wait never reaches.
+        """
         queue = self._cluster.closure_queue
         with queue._queue_lock:
             if queue._error is None:
                 queue._error = error
+            while True:
+                try:
+                    closure = queue._queue.get(block=False)
+                except queue_lib.Empty:
+                    break
+                closure.maybe_call_with_output_remote_value(lambda r: r._set_error(error))
+                queue._queue_free_slot_condition.notify()
             queue._stop_waiting_condition.notify_all()
 
 
@@ -376,7 +397,8 @@ def install(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], 
                 "written for that one.")
         queue = cluster.closure_queue
         require_attributes(queue, "_queue", "_queue_lock", "_stop_waiting_condition", "_error",
-                           "_cancellation_mgr", what="ClusterCoordinator closure queue")
+                           "_queue_free_slot_condition", "_cancellation_mgr",
+                           what="ClusterCoordinator closure queue")
         keep_fail_fast_setting()
         handler = PartialRecovery(cluster, original._server_def,
                                   all_lost_timeout=all_lost_timeout, reachable=reachable,

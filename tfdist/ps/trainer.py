@@ -395,12 +395,29 @@ class CoordinatorTrainer:
                 self._next_step_id += 1
             last = self.coordinator.schedule(function, args=args)
             batch_logs.scheduled(last)
-            hooks.end(step, batch_logs.get())
+            try:
+                logs = batch_logs.get()
+            except Exception:
+                self._drop_kept_error()
+                raise
+            hooks.end(step, logs)
             if hooks.stop():
                 break
         self.coordinator.join()
         logs = last.fetch() if last is not None else {}
         return ps_keras.pythonify(ps_keras.metrics_result_or_logs(self.model, logs))
+
+    def _drop_kept_error(self) -> None:
+        """After a step's value raised: the coordinator's copy of the error goes too.
+
+        A failed step leaves its error in the coordinator until the next
+        join()/schedule() raises it; without this, the next fit would fail
+        with this one's error (after every worker was lost, even once one is back).
+        """
+        try:
+            self.coordinator.join()
+        except Exception:  # noqa: BLE001 (the error already raised, or a later step's)
+            pass
 
     def train(self, x, num_steps: int | None, hooks: StepHooks = StepHooks()) -> dict:
         """Runs `num_steps` train steps over the workers (fresh metrics); returns exact logs.
