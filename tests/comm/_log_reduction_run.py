@@ -7,8 +7,14 @@ three times from the same weights on the same data:
   2. `unpacked`: the same with keras_log_reduction taken out (the canary:
      one collective per log value);
   3. `spe4`: packed, steps_per_execution=4 (the logs of the last step only).
-For each it records every batch's logs, the final weights and, from a
-profiler trace of a few more steps, the collectives the worker ran per step.
+For each it records every batch's logs, the final weights and, on worker 0,
+from a profiler trace of a few more steps, the collectives it ran per step
+(every worker runs the same steps). Worker 1 runs those steps unprofiled:
+with both workers profiling, TensorFlow 2.21's profiler crashed in
+`tf.profiler.experimental.stop()` while collecting (SIGSEGV, or 'double free
+or corruption') in 3 of 6 two-worker runs of this script, each time on worker 1;
+with worker 0 alone profiling, 0 of 6 (the profiler's known crashes:
+tensorflow/tensorboard#3149).
 Worker i writes OUT/worker<i>.json.
 """
 
@@ -33,8 +39,13 @@ def data():
     return x, y
 
 
-def fit(keras, strategy, *, steps_per_execution: int = 1, profile: bool = False):
-    """(per-batch logs, final weights, collectives per step or None)."""
+def fit(keras, strategy, *, steps_per_execution: int = 1, more_steps: bool = False,
+        profile: bool = False):
+    """(per-batch logs, final weights, collectives per step or None).
+
+    more_steps: then fit PROFILED more steps (every worker of a job must), profiled
+    if `profile`.
+    """
 
     x, y = data()
     with strategy.scope():
@@ -51,15 +62,15 @@ def fit(keras, strategy, *, steps_per_execution: int = 1, profile: bool = False)
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[Record()])
     weights = [w.tolist() for w in model.get_weights()]
     per_step = None
-    if profile:
-        per_step = collectives_per_step(keras, model, x, y)
+    if more_steps:
+        per_step = collectives_per_step(keras, model, x, y, profile=profile)
     return records, weights, per_step
 
 
-def collectives_per_step(keras, model, x, y) -> float:
+def collectives_per_step(keras, model, x, y, *, profile: bool = True) -> float | None:
     """Collectives this worker runs per training step inside Keras's step function, from a
     profiler trace of whole steps (the second execution on, up to the last batch: no
-    tracing, no epoch end)."""
+    tracing, no epoch end); without `profile` the same steps, unprofiled, and None."""
     import tensorflow as tf
 
     from tfdist.compat import profiler_trace
@@ -69,7 +80,7 @@ def collectives_per_step(keras, model, x, y) -> float:
 
     class Profile(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            if "first" not in window and batch >= model.steps_per_execution:
+            if profile and "first" not in window and batch >= model.steps_per_execution:
                 window["first"] = batch
                 tf.profiler.experimental.start(trace)
 
@@ -81,6 +92,8 @@ def collectives_per_step(keras, model, x, y) -> float:
     xs, ys = np.tile(x, (PROFILED // STEPS, 1)), np.tile(y, (PROFILED // STEPS, 1))
     model.fit(xs, ys, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
               callbacks=[Profile()])
+    if not profile:
+        return None
     events = profiler_trace.timed_events(trace, contains=":Collective")
     # Keras's step function (a nested tf.function: "StatefulPartitionedCall/...") holds
     # the gradients' and the logs' collectives; a collective the train function runs
@@ -101,11 +114,13 @@ def main() -> int:
     strategy = tfdist.make_strategy("multi_worker_mirrored", join_timeout=120)
     task = strategy.cluster_resolver.task_id
     result = {}
-    result["packed"] = fit(keras, strategy, profile=True)
+    profile = task == 0  # see the module doc
+    result["packed"] = fit(keras, strategy, more_steps=True, profile=profile)
     tfdist.compat.uninstall([keras_log_reduction.NAME])
-    result["unpacked"] = fit(keras, strategy, profile=True)
+    result["unpacked"] = fit(keras, strategy, more_steps=True, profile=profile)
     keras_log_reduction.install()
-    result["spe4"] = fit(keras, strategy, steps_per_execution=4, profile=True)
+    result["spe4"] = fit(keras, strategy, steps_per_execution=4, more_steps=True,
+                         profile=profile)
     with open(os.path.join(out_dir, f"worker{task}.json"), "w") as f:
         json.dump({name: {"logs": r[0], "weights": r[1], "collectives_per_step": r[2]}
                    for name, r in result.items()}, f)
