@@ -345,16 +345,14 @@ def replica_devices(strategy) -> tuple[str, ...]:
 # --- features: what presets add to the strategies they make --------------------------
 
 
-def _optimizer_update(strategy, options, state) -> None:
-    from tfdist.compat import optimizer_update
+def _installs(module: str) -> Callable[[Any, Any, Any], None]:
+    """A feature's `attach` that only installs the fixes of `tfdist.compat.<module>`."""
 
-    optimizer_update.install()
+    def attach(strategy, options, state) -> None:
+        importlib.import_module(f"tfdist.compat.{module}").install()
 
-
-def _keras_build(strategy, options, state) -> None:
-    from tfdist.compat import keras_build
-
-    keras_build.install()
+    attach.__qualname__ = attach.__name__ = f"install_{module}"
+    return attach
 
 
 def _batch_norm(strategy, options, state) -> None:
@@ -367,30 +365,6 @@ def _sharding(strategy, options, state) -> None:
     from tfdist import sharding
 
     sharding.attach(strategy, options)  # records state.sharding_plan and its gradient sync
-
-
-def _keras_multi_step(strategy, options, state) -> None:
-    from tfdist.compat import keras_multi_step
-
-    keras_multi_step.install()
-
-
-def _keras_losses(strategy, options, state) -> None:
-    from tfdist.compat import keras_losses
-
-    keras_losses.install()
-
-
-def _keras_xla(strategy, options, state) -> None:
-    from tfdist.compat import keras_xla
-
-    keras_xla.install()
-
-
-def _loss_scale(strategy, options, state) -> None:
-    from tfdist.compat import loss_scale
-
-    loss_scale.install()
 
 
 def _keras_backup(strategy, options, state) -> None:
@@ -415,26 +389,26 @@ def _wants_comm(options) -> bool:
 COMMON_FEATURES: tuple[Feature, ...] = (
     Feature("optimizer_update", "duplicate sparse-gradient indices summed, clipping after the "
             "all-reduce, gradient accumulation; the update runs the strategy's GradientSync",
-            when="always", fixes=("optimizer_update",), attach=_optimizer_update),
+            when="always", fixes=("optimizer_update",), attach=_installs("optimizer_update")),
     Feature("keras_build", "the symbolic build reads the first local replica's batch (no "
             "reduce: several workers, string and bool inputs)",
-            when="always", fixes=("keras_build",), attach=_keras_build),
+            when="always", fixes=("keras_build",), attach=_installs("keras_build")),
     Feature("batch_norm", "BatchNormalization's replica copies stay equal; global-batch "
             "statistics with sync_batch_norm", when="always", fixes=("batch_norm",),
             attach=_batch_norm),
     Feature("keras_multi_step", "steps_per_execution > 1 with several replicas",
-            when="always", fixes=("keras_multi_step",), attach=_keras_multi_step),
+            when="always", fixes=("keras_multi_step",), attach=_installs("keras_multi_step")),
     # After keras_multi_step: its _make_function runs the step keras_losses marks.
     Feature("keras_losses", "inside fit/evaluate, every loss as one device computes it (add_loss, "
             "a train_step's own losses) and the replicas' gradients averaged",
             when="always (acts with several synchronous replicas)", fixes=("keras_losses",),
-            attach=_keras_losses),
+            attach=_installs("keras_losses")),
     Feature("keras_xla", "a model's jit_compile reads False where XLA cannot compile the step "
             "(several CPU replicas), with one warning",
             when="always (acts with several CPU replicas)", fixes=("keras_xla",),
-            attach=_keras_xla),
+            attach=_installs("keras_xla")),
     Feature("loss_scale", "mixed_float16: a step is skipped when any replica overflows",
-            when="always", fixes=("loss_scale",), attach=_loss_scale),
+            when="always", fixes=("loss_scale",), attach=_installs("loss_scale")),
     # Last: under multi_worker_mirrored it wraps keras_files's BackupAndRestore fixes, so
     # every worker (not only the chief, whose calls keras_files passes through) saves.
     Feature("keras_backup", "keras.callbacks.BackupAndRestore: SIGTERM is a save point, "
@@ -459,13 +433,6 @@ def _keras_multi_worker(strategy, options, state) -> None:
     keras_files.install_or_warn()  # Keras's own file writers: only the chief's file stays
 
 
-def _keras_log_reduction(strategy, options, state) -> None:
-    from tfdist.compat import keras_log_reduction
-
-    # After keras_multi_worker's fix (so around it): one collective for the logs.
-    keras_log_reduction.install()
-
-
 MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
     Feature("keras_multi_worker", "Keras 3 fit across workers (keras-team/keras#20585); "
             "Keras's own file writers leave one intact file, the chief's",
@@ -473,7 +440,8 @@ MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
             attach=_keras_multi_worker),
     Feature("keras_log_reduction", "a multi-worker step's scalar logs (loss, metrics) "
             "reduced in one collective instead of one each (keras-team/keras#20585)",
-            when="always", fixes=("keras_log_reduction",), attach=_keras_log_reduction),
+            # After keras_multi_worker's fix (so around it): one collective for the logs.
+            when="always", fixes=("keras_log_reduction",), attach=_installs("keras_log_reduction")),
 )
 
 

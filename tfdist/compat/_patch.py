@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
 import threading
 from typing import Any, Callable, Iterable
@@ -234,6 +235,31 @@ def _unwrap_descriptor(value: Any) -> Any:
 
 def _name(owner: Any) -> str:
     return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+
+
+# --- reaching upstream code ----------------------------------------------------------
+
+
+def upstream(path: str) -> Any:
+    """A TensorFlow or Keras module, or a class in one, by dotted path, TensorFlow imported
+    first (tfdist's way: `tfdist._tf.import_tensorflow`).
+
+    >>> upstream("keras.src.backend.tensorflow.trainer")            # a module
+    >>> upstream("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")  # a class in one
+    """
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as missing:
+        module, _, attribute = path.rpartition(".")
+        if not module or missing.name != path:
+            raise
+        owner = importlib.import_module(module)
+        if not hasattr(owner, attribute):
+            raise ImportError(f"cannot import name {attribute!r} from {module!r}") from None
+        return getattr(owner, attribute)
 
 
 # --- shape checks ---------------------------------------------------------------

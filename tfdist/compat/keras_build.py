@@ -65,12 +65,7 @@ OPTIMIZER_ISSUE = "keras-team/keras#23085 (fixed by keras-team/keras#23087 after
 
 
 def _trainer_module():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow import trainer
-
-    return trainer
+    return _patch.upstream("keras.src.backend.tensorflow.trainer")
 
 
 def _check_symbolic_build(original) -> None:
@@ -158,12 +153,7 @@ SYMBOLIC_BUILD_FIX = _patch.Fix(
 
 
 def _optimizer_module():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow import optimizer
-
-    return optimizer
+    return _patch.upstream("keras.src.backend.tensorflow.optimizer")
 
 
 def _check_optimizer_variables(original) -> None:

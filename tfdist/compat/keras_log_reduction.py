@@ -33,27 +33,16 @@ log value) and with it (one for all of them).
 
 from __future__ import annotations
 
-from tfdist.compat import _owner, _patch
+from tfdist.compat import _owner, _patch, keras_multi_worker
 
 UPSTREAM_ISSUE = ("keras-team/keras#20585 (Keras's multi-worker log reduction; every value "
                   "its own collective)")
 NAME = "keras_log_reduction.reduce_per_replica"
 
 
-def _trainer_module():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow import trainer
-
-    return trainer
-
-
-def _check(original) -> None:
-    _patch.require_signature(original, "values", "strategy", "reduction",
-                             what="keras.src.backend.tensorflow.trainer.reduce_per_replica")
-    _patch.require_attributes(_trainer_module(), "_collective_all_reduce_multi_worker",
-                              what="keras.src.backend.tensorflow.trainer")
+# The same function keras_multi_worker's fix wraps, shape-checked the same way.
+_trainer_module = keras_multi_worker._trainer_module
+_check = keras_multi_worker._check_reduce_per_replica
 
 
 def _multi_worker_owned(strategy) -> bool:

@@ -90,12 +90,7 @@ def _synchronous_replicas(strategy) -> int:
 
 
 def _trainer_module():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow import trainer
-
-    return trainer
+    return _patch.upstream("keras.src.backend.tensorflow.trainer")
 
 
 def _check_step(original) -> None:
@@ -132,12 +127,7 @@ STEP_FIX = _patch.Fix(
 
 
 def _loss_module():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.losses import loss
-
-    return loss
+    return _patch.upstream("keras.src.losses.loss")
 
 
 def _check_scale(original) -> None:
@@ -166,21 +156,11 @@ UNSCALE_FIX = _patch.Fix(
 
 
 def _base_optimizer_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.optimizers import base_optimizer
-
-    return base_optimizer.BaseOptimizer
+    return _patch.upstream("keras.src.optimizers.base_optimizer.BaseOptimizer")
 
 
 def _loss_scale_optimizer_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.optimizers import loss_scale_optimizer
-
-    return loss_scale_optimizer.LossScaleOptimizer
+    return _patch.upstream("keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer")
 
 
 def _check_apply(original) -> None:

@@ -39,12 +39,7 @@ REDUCE_PER_REPLICA = "keras_multi_worker.reduce_per_replica"
 
 
 def _trainer_module():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow import trainer
-
-    return trainer
+    return _patch.upstream("keras.src.backend.tensorflow.trainer")
 
 
 def _multi_worker_owned(strategy) -> bool:

@@ -49,12 +49,7 @@ class _Property(property):
 
 
 def _trainer_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow import trainer
-
-    return trainer.TensorFlowTrainer
+    return _patch.upstream("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
 
 
 def _check(original) -> None:

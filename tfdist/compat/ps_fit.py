@@ -53,21 +53,11 @@ _lock = threading.Lock()
 
 
 def _trainer_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer
+    return _patch.upstream("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
 
 
 def _base_trainer_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.trainers.trainer import Trainer
-
-    return Trainer
+    return _patch.upstream("keras.src.trainers.trainer.Trainer")
 
 
 def _target(method: str):

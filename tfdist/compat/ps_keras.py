@@ -31,7 +31,7 @@ import contextlib
 import weakref
 from typing import Any, Iterator
 
-from tfdist.compat._patch import CompatError, require_attributes
+from tfdist.compat._patch import CompatError, require_attributes, upstream
 
 # model -> (compile token, test function, predict function) that Keras built for the
 # coordinator (see without_strategy).
@@ -42,12 +42,7 @@ _TRAINER_MEMBERS = ("_symbolic_build", "_assert_compile_called", "_get_metrics_r
 
 
 def _trainer_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer
+    return upstream("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
 
 
 def check() -> None:

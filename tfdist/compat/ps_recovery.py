@@ -54,7 +54,7 @@ import weakref
 from typing import Any, Callable
 
 from tfdist import devices as devices_lib
-from tfdist.compat._patch import CompatError, require_attributes, require_signature
+from tfdist.compat._patch import CompatError, require_attributes, require_signature, upstream
 
 logger = logging.getLogger("tfdist")
 
@@ -69,12 +69,7 @@ _lock = threading.Lock()
 
 
 def _coordinator_module():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from tensorflow.python.distribute.coordinator import cluster_coordinator
-
-    return cluster_coordinator
+    return upstream("tensorflow.python.distribute.coordinator.cluster_coordinator")
 
 
 def check() -> None:

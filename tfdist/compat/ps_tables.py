@@ -54,21 +54,11 @@ class _WorkerTableHandle:
 
 
 def _distributed_table_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from tensorflow.python.distribute import ps_values
-
-    return ps_values.DistributedTable
+    return _patch.upstream("tensorflow.python.distribute.ps_values.DistributedTable")
 
 
 def _func_graph_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from tensorflow.python.framework import func_graph
-
-    return func_graph.FuncGraph
+    return _patch.upstream("tensorflow.python.framework.func_graph.FuncGraph")
 
 
 def _owned_table(table) -> bool:

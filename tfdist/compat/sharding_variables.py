@@ -986,11 +986,10 @@ WRITE_OUT_FIX = _patch.Fix(
 FIXES = (SLOT_FIX, VARIABLE_FIX, DECAY_FIX, CALL_FIX, SAVE_FIX, WRITE_OUT_FIX)
 
 
-def install() -> None:
-    """Installs the six fixes (idempotent)."""
+def install() -> tuple[str, ...]:
+    """Installs the six fixes, or none (idempotent); returns the names installed by this call."""
     collectives.check_supported()
-    for fix in FIXES:
-        _patch.install(fix)
+    return _patch.install_all(FIXES)
 
 
 def placed_bytes(variable: Any, strategy: Any) -> list[tuple[str, int]]:
