@@ -15,9 +15,9 @@ changes anything, so objects of strategies tfdist did not make pass through.
 Per-model and per-optimizer records stay with their objects' owners: the
 parameter-server trainer and exact-evaluation shards of a model
 (`tfdist.ps`), an optimizer opted in to summed sparse gradients
-(`compat.optimizer_update.opt_in`). The parameter-server preset's
-per-strategy records (skip_completed_reruns, the recovery handler) are still
-kept by tfdist.ps.trainer and compat.ps_recovery.
+(`compat.optimizer_update.opt_in`), and the worker recovery of a
+parameter-server coordinator (`compat.ps_recovery`, by TensorFlow's failure
+handler, which is what its fixes receive).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class StrategyState:
       gather: the traced all-gather function of sharding, once made.
       parallelism: the resolved `tfdist.Parallelism` it was made from
         (`make_strategy(parallelism)`), with its devices; None otherwise.
+      skip_completed_reruns: parameter_server: a step re-run after a worker
+        failure is skipped if its update already landed.
     """
 
     preset: str | None = None
@@ -60,6 +62,7 @@ class StrategyState:
     barrier: Callable[[], Any] | None = None
     gather: Any = None
     parallelism: Any = None
+    skip_completed_reruns: bool = False
 
 
 _lock = threading.RLock()

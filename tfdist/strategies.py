@@ -532,6 +532,19 @@ register_preset(
     fixes=("collective_keys",),  # a further strategy in a process that joined its cluster
 )
 
+def _ps_recovery(strategy, options, state) -> None:
+    from tfdist.ps import strategy as ps_strategy
+
+    ps_strategy.attach_recovery(strategy, options, state)
+
+
+PS_FEATURES: tuple[Feature, ...] = (
+    Feature("ps_recovery", "worker failures recovered one worker at a time (each re-run step "
+            "counted, and skipped once applied with skip_completed_reruns); a clear error "
+            "when every worker stays lost", when="always", fixes=("ps_recovery",),
+            attach=_ps_recovery),
+)
+
 register_preset(
     "parameter_server",
     options=config_lib.ParameterServerOptions,
@@ -539,10 +552,10 @@ register_preset(
             "ClusterCoordinator) with plain model.fit.",
     needs="an in-process cluster (local_workers, local_ps) or a TF_CONFIG cluster with "
           "a chief, 1+ workers and 1+ ps",
-    features=COMMON_FEATURES,
-    # Its factory installs the Keras fixes and worker recovery on the coordinator only
-    # (workers and ps serve inside it and never return).
-    fixes=("ps_keras", "ps_variables", "ps_tables", "ps_fit", "ps_recovery"),
+    features=PS_FEATURES + COMMON_FEATURES,
+    # Its factory installs the Keras fixes on the coordinator only (workers and ps
+    # serve inside it and never return).
+    fixes=("ps_keras", "ps_variables", "ps_tables", "ps_fit"),
     factory="tfdist.ps.strategy:make_strategy",
 )
 

@@ -71,8 +71,8 @@ def test_strategies_tfdist_did_not_make_have_no_record():
                                    "loss_scale", "keras_backup"),
      ("keras_multi_worker", "keras_files", "collective_keys", "keras_log_reduction")),
     ("parameter_server", {"local_workers": 1, "local_ps": 1},
-     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "keras_losses",
-      "keras_xla", "loss_scale", "keras_backup"),
+     ("ps_recovery", "optimizer_update", "keras_build", "batch_norm", "keras_multi_step",
+      "keras_losses", "keras_xla", "loss_scale", "keras_backup"),
      ("ps_keras", "ps_variables", "ps_tables", "ps_fit", "ps_recovery")),
 ])
 def test_installs_reads_the_registry_row(preset, options, features, fixes):
@@ -120,10 +120,9 @@ ALLOWED_WEAK_TABLES = {
     "tfdist/ps/keras_api.py": "model -> exact-evaluation shards",
     "tfdist/compat/ps_keras.py": "model -> the evaluate/predict functions built for the "
                                  "parameter-server coordinator",
-    "tfdist/ps/trainer.py": "model -> its coordinator trainer; strategy -> skip_completed_reruns "
-                            "(moves to StrategyState with the parameter-server work)",
-    "tfdist/compat/ps_recovery.py": "coordinator -> its recovery handler (moves to "
-                                    "StrategyState with the parameter-server work)",
+    "tfdist/ps/trainer.py": "model -> its coordinator trainer",
+    "tfdist/compat/ps_recovery.py": "TensorFlow's failure handler (one per coordinator) -> "
+                                    "the PartialRecovery its fixes route to",
     "tfdist/sharding/sync.py": "optimizers one ShardedSync has checked",
     "tfdist/sync.py": "optimizers that keep their sparse gradients slice by slice",
     "tfdist/compat/keras_xla.py": "models already warned that XLA is off",

@@ -12,12 +12,15 @@ restarted worker:1 is never taken back and the coordinator stalls for an hour
 with only "Cluster update failed ... Retrying" in its log. Verified on
 TF 2.21; no upstream issue found for it.
 
-`install(coordinator)` replaces the coordinator's failure handler (an
-instance attribute of the coordinator's cluster and workers, set for the
-coordinators of strategies tfdist made; TensorFlow's classes are not
-patched) with `PartialRecovery`, which keeps TensorFlow's rules for what a
-worker failure is (`_is_worker_failure`, transient ps and timeout errors),
-but:
+`attach(coordinator)` (the parameter_server preset's `ps_recovery` feature)
+gives the coordinator of a strategy tfdist made a `PartialRecovery`, and
+installs two fixes on TensorFlow's `WorkerPreemptionHandler`:
+`wait_on_failure` and `stop` of that coordinator's handler go to its
+PartialRecovery; every other coordinator's handler passes straight through.
+TensorFlow's handler object stays in place (its thread idles), so
+`tfdist.compat.uninstall()` gives the coordinator TensorFlow's handling
+back. PartialRecovery keeps TensorFlow's rules for what a worker failure is
+(`_is_worker_failure`, transient ps and timeout errors), but:
 
 * recovers each worker by itself: a recovery thread watches the failed
   workers' addresses and, when one accepts connections again, updates the
@@ -54,7 +57,8 @@ import weakref
 from typing import Any, Callable
 
 from tfdist import devices as devices_lib
-from tfdist.compat._patch import CompatError, require_attributes, require_signature, upstream
+from tfdist.compat._patch import (CompatError, Fix, install_all, require_attributes,
+                                  require_signature, upstream)
 
 logger = logging.getLogger("tfdist")
 
@@ -64,7 +68,8 @@ UPSTREAM = ("tensorflow/python/distribute/coordinator/cluster_coordinator.py "
 # How often the recovery thread probes failed workers (seconds).
 POLL_SECONDS = 0.5
 
-_handlers: "weakref.WeakKeyDictionary[Any, PartialRecovery]" = weakref.WeakKeyDictionary()
+# TensorFlow's failure handler (one per coordinator) -> the PartialRecovery attached to it.
+_recoveries: "weakref.WeakKeyDictionary[Any, PartialRecovery]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -367,46 +372,110 @@ class PartialRecovery:
             queue._stop_waiting_condition.notify_all()
 
 
-def install(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], bool],
-            all_lost_error: Callable[[str], Exception]) -> bool:
-    """Gives `coordinator` (of a strategy tfdist made) the PartialRecovery failure handler.
+def _recovery_of(handler) -> PartialRecovery | None:
+    with _lock:
+        return _recoveries.get(handler)
+
+
+def _handler_class():
+    return _coordinator_module().WorkerPreemptionHandler
+
+
+def _check_wait_on_failure(original) -> None:
+    require_signature(original, "on_failure_fn", "on_transient_failure_fn", "on_recovery_fn",
+                      "worker_device_name", what="WorkerPreemptionHandler.wait_on_failure")
+
+
+def _make_wait_on_failure(original):
+    def wait_on_failure(self, on_failure_fn=None, on_transient_failure_fn=None,
+                        on_recovery_fn=None, worker_device_name="(unknown)"):
+        recovery = _recovery_of(self)
+        target = original if recovery is None else (
+            lambda _, *args, **kwargs: recovery.wait_on_failure(*args, **kwargs))
+        return target(self, on_failure_fn=on_failure_fn,
+                      on_transient_failure_fn=on_transient_failure_fn,
+                      on_recovery_fn=on_recovery_fn, worker_device_name=worker_device_name)
+
+    return wait_on_failure
+
+
+def _check_stop(original) -> None:
+    require_signature(original, what="WorkerPreemptionHandler.stop")
+
+
+def _make_stop(original):
+    def stop(self):
+        recovery = _recovery_of(self)
+        if recovery is not None:
+            recovery.stop()
+        return original(self)
+
+    return stop
+
+
+WAIT_ON_FAILURE_FIX = Fix(
+    name="ps_recovery.wait_on_failure", issue=UPSTREAM,
+    target=lambda: (_handler_class(), "wait_on_failure"),
+    check=_check_wait_on_failure, make=_make_wait_on_failure)
+STOP_FIX = Fix(
+    name="ps_recovery.stop", issue=UPSTREAM, target=lambda: (_handler_class(), "stop"),
+    check=_check_stop, make=_make_stop)
+FIXES = (WAIT_ON_FAILURE_FIX, STOP_FIX)
+
+
+def install() -> tuple[str, ...]:
+    """Installs both fixes, or neither (idempotent); returns the names installed by this call.
+
+    They route a failure handler's calls to the `PartialRecovery` that `attach`
+    gave it, and pass every other handler (coordinators tfdist did not set up)
+    straight through to TensorFlow.
+    """
+    check()
+    return install_all(FIXES)
+
+
+def attach(coordinator, *, all_lost_timeout: float, reachable: Callable[[str], bool],
+           all_lost_error: Callable[[str], Exception]) -> bool:
+    """Gives `coordinator` (of a strategy tfdist made) a `PartialRecovery`; installs the fixes.
+
+    TensorFlow's own handler stays the coordinator's (its thread idles: the
+    fixes route its failures to the PartialRecovery); after
+    `tfdist.compat.uninstall()` it handles them again as in stock TensorFlow.
 
     Returns:
-      True if installed now, False if it already was (or TensorFlow's
+      True if attached now, False if it already was (or TensorFlow's
       coordination-service handler is in use: TF_PSS_ENABLE_COORDINATION_SERVICE).
 
     Raises:
       CompatError: TensorFlow's coordinator is not shaped as expected.
     """
-    check()
     cc = _coordinator_module()
     cluster = coordinator._cluster
+    handler = cluster.failure_handler
+    if os.getenv("TF_PSS_ENABLE_COORDINATION_SERVICE"):
+        return False
+    if not isinstance(handler, cc.WorkerPreemptionHandler):
+        raise CompatError(
+            f"The ClusterCoordinator's failure handler is a {type(handler).__name__}, "
+            "not TensorFlow's WorkerPreemptionHandler: tfdist's worker recovery was "
+            "written for that one.")
+    queue = cluster.closure_queue
+    require_attributes(queue, "_queue", "_queue_lock", "_stop_waiting_condition", "_error",
+                       "_queue_free_slot_condition", "_cancellation_mgr",
+                       what="ClusterCoordinator closure queue")
+    require_attributes(handler, "_server_def", what="WorkerPreemptionHandler")
+    install()
     with _lock:
-        if coordinator in _handlers or os.getenv("TF_PSS_ENABLE_COORDINATION_SERVICE"):
+        if handler in _recoveries:
             return False
-        original = cluster.failure_handler
-        if not isinstance(original, cc.WorkerPreemptionHandler):
-            raise CompatError(
-                f"The ClusterCoordinator's failure handler is a {type(original).__name__}, "
-                "not TensorFlow's WorkerPreemptionHandler: tfdist's worker recovery was "
-                "written for that one.")
-        queue = cluster.closure_queue
-        require_attributes(queue, "_queue", "_queue_lock", "_stop_waiting_condition", "_error",
-                           "_queue_free_slot_condition", "_cancellation_mgr",
-                           what="ClusterCoordinator closure queue")
         keep_fail_fast_setting()
-        handler = PartialRecovery(cluster, original._server_def,
-                                  all_lost_timeout=all_lost_timeout, reachable=reachable,
-                                  all_lost_error=all_lost_error)
-        original.stop()  # its thread exits; ours handles failures from now on
-        cluster.failure_handler = handler
-        for worker in cluster.workers:
-            worker.failure_handler = handler
-        _handlers[coordinator] = handler
+        _recoveries[handler] = PartialRecovery(
+            cluster, handler._server_def, all_lost_timeout=all_lost_timeout,
+            reachable=reachable, all_lost_error=all_lost_error)
         return True
 
 
 def rerun_count(coordinator) -> int:
     """Steps re-run after worker failures on `coordinator` so far (0 without PartialRecovery)."""
-    handler = _handlers.get(coordinator)
-    return handler.reruns if handler is not None else 0
+    recovery = _recovery_of(coordinator._cluster.failure_handler)
+    return recovery.reruns if recovery is not None else 0

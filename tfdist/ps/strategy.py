@@ -24,8 +24,9 @@ def make_strategy(options: config_lib.ParameterServerOptions):
     In a TF_CONFIG cluster, worker and ps tasks do not return: they serve
     until stopped and then exit 0, so one script runs on every task. On the
     coordinator, the fixes of tfdist.compat.ps_variables, ps_tables and ps_fit are
-    installed (they apply only to strategies tfdist made), and the strategy's
-    ClusterCoordinator is created with tfdist's worker-recovery handling.
+    installed (they apply only to strategies tfdist made); the preset's
+    `ps_recovery` feature (`attach_recovery`) then creates the strategy's
+    ClusterCoordinator with tfdist's worker-recovery handling.
 
     Raises:
       ValueError: no cluster, a cluster without chief, ps or workers, or a task
@@ -44,14 +45,20 @@ def make_strategy(options: config_lib.ParameterServerOptions):
     ps_fit.install(keras_api.ROUTES)
     strategy = tf.distribute.ParameterServerStrategy(
         resolver, variable_partitioner=_partitioner(tf, options, num_ps))
-    # The coordinator is a singleton per strategy: made here, it is also the one a
-    # custom loop's `ClusterCoordinator(strategy)` gets, with tfdist's recovery.
+    return strategy
+
+
+def attach_recovery(strategy, options: config_lib.ParameterServerOptions, state) -> None:
+    """The preset's `ps_recovery` feature: the strategy's coordinator recovers workers.
+
+    The coordinator is a singleton per strategy: made here, it is also the one a
+    custom loop's `ClusterCoordinator(strategy)` gets, with tfdist's recovery.
+    """
     from tfdist.compat import ps_recovery
     from tfdist.ps.errors import ParameterServerError
-    from tfdist.ps.trainer import coordinator_for, set_skip_completed_reruns
+    from tfdist.ps.trainer import coordinator_for
 
-    set_skip_completed_reruns(strategy, options.skip_completed_reruns)
-    ps_recovery.install(coordinator_for(strategy), all_lost_timeout=options.connect_timeout,
-                        reachable=lambda address: servers.reachable(address, timeout=1.0),
-                        all_lost_error=ParameterServerError)
-    return strategy
+    state.skip_completed_reruns = options.skip_completed_reruns
+    ps_recovery.attach(coordinator_for(strategy), all_lost_timeout=options.connect_timeout,
+                       reachable=lambda address: servers.reachable(address, timeout=1.0),
+                       all_lost_error=ParameterServerError)

@@ -43,6 +43,7 @@ import warnings
 import weakref
 from typing import Any, Callable
 
+from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
 from tfdist.compat import keras_build, optimizer_update, ps_keras
 from tfdist.ps import data as data_lib
@@ -53,13 +54,6 @@ BATCH_LOG_INTERVAL = 0.2
 
 _TRAINERS: "weakref.WeakKeyDictionary[Any, CoordinatorTrainer]" = weakref.WeakKeyDictionary()
 _TRAINERS_LOCK = threading.Lock()
-_SKIP_COMPLETED: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-
-
-def set_skip_completed_reruns(strategy, enabled: bool) -> None:
-    """Whether trainers of `strategy` skip re-runs of steps already applied (default False)."""
-    with _TRAINERS_LOCK:
-        _SKIP_COMPLETED[strategy] = bool(enabled)
 
 
 def coordinator_for(strategy):
@@ -161,7 +155,9 @@ class CoordinatorTrainer:
         self.strategy = strategy
         self.coordinator = coordinator_for(strategy)
         self.compile_token = ps_keras.compile_token(model)
-        self.skip_completed_reruns = _SKIP_COMPLETED.get(strategy, False)
+        # The preset's skip_completed_reruns (its ps_recovery feature keeps it).
+        self.skip_completed_reruns = bool(getattr(state_lib.state_of(strategy),
+                                                  "skip_completed_reruns", False))
         self._functions: dict[Any, Callable] = {}
         self._iterators: dict[tuple[str, int], _WorkerInput] = {}
         self._ledger_variable = None
