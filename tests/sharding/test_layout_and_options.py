@@ -178,12 +178,12 @@ def test_gatherable_layers_name_real_classes_and_match_by_class():
 
     from tests import zoo
     from tfdist import sharding
-    from tfdist.compat import sharding_variables
+    from tfdist.sharding import registry
 
     names = sharding.gatherable_layers()
     assert "keras.layers.RMSNormalization" in names
     assert "keras_hub.src.models.gemma.rms_normalization.RMSNormalization" in names
-    assert sharding_variables.is_gatherable(keras.layers.Dense(2))
+    assert registry.is_gatherable(keras.layers.Dense(2))
 
     class Scaled(keras.layers.Dense):
         pass
@@ -191,9 +191,9 @@ def test_gatherable_layers_name_real_classes_and_match_by_class():
     class Impure(keras.layers.Layer):
         pass
 
-    assert sharding_variables.is_gatherable(Scaled(2))
-    assert not sharding_variables.is_gatherable(Impure())
-    assert not sharding_variables.is_gatherable(keras.layers.BatchNormalization())
+    assert registry.is_gatherable(Scaled(2))
+    assert not registry.is_gatherable(Impure())
+    assert not registry.is_gatherable(keras.layers.BatchNormalization())
     with pytest.raises(ValueError, match=r"takes a layer class\. Received: .*Fix: pass"):
         sharding.register_gatherable_layer(Impure())
     if not zoo.AVAILABLE:
@@ -205,5 +205,5 @@ def test_gatherable_layers_name_real_classes_and_match_by_class():
             assert issubclass(layer_class, keras.layers.Layer), name
     from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
 
-    assert sharding_variables.is_gatherable(RMSNormalization())
+    assert registry.is_gatherable(RMSNormalization())
     assert not issubclass(RMSNormalization, keras.layers.RMSNormalization)

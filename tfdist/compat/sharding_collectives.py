@@ -34,10 +34,7 @@ from typing import Any
 
 from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
-
-
-class ShardingUnavailableError(ValueError):
-    """The strategy has no collective implementation tfdist can shard with."""
+from tfdist.sharding.errors import EagerStepError, ShardingUnavailableError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +117,6 @@ def local_replica_id() -> int:
     if replica is None:
         raise RuntimeError("local_replica_id() needs a replica context (inside strategy.run).")
     return int(replica)
-
-
-class EagerStepError(ValueError):
-    """A sharded training step runs eagerly (its collectives would deadlock)."""
 
 
 def _launcher(strategy: Any):

@@ -90,9 +90,9 @@ def register_elementwise_optimizer(cls: type) -> type:
     unsharded update only if each element's update reads nothing but that
     element of the variable, its gradient and its slots.
     """
-    from tfdist.compat import sharding_variables
+    from tfdist.sharding import registry
 
-    return sharding_variables.register_elementwise_optimizer(cls)
+    return registry.register_elementwise_optimizer(cls)
 
 
 def register_gatherable_layer(cls: type) -> type:
@@ -104,16 +104,16 @@ def register_gatherable_layer(cls: type) -> type:
     random numbers. Every other layer is exact too, but keeps its gathered
     weights from its forward to its backward pass. Usable as a decorator.
     """
-    from tfdist.compat import sharding_variables
+    from tfdist.sharding import registry
 
-    return sharding_variables.register_gatherable_layer(cls)
+    return registry.register_gatherable_layer(cls)
 
 
 def supported_optimizers() -> tuple[str, ...]:
     """Optimizer classes sharding accepts (element-wise updates)."""
-    from tfdist.compat import sharding_variables
+    from tfdist.sharding import registry
 
-    return sharding_variables.supported_optimizers()
+    return registry.supported_optimizers()
 
 
 def gatherable_layers() -> tuple[str, ...]:
@@ -125,6 +125,6 @@ def gatherable_layers() -> tuple[str, ...]:
     classes given to `register_gatherable_layer`. Other layers are not refused:
     they keep their gathered weights until their backward pass.
     """
-    from tfdist.compat import sharding_variables
+    from tfdist.sharding import registry
 
-    return sharding_variables.gatherable_layers()
+    return registry.gatherable_layers()

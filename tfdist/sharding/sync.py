@@ -33,6 +33,7 @@ from tfdist import sync as gradient_sync_lib
 from tfdist.compat import optimizer_update
 from tfdist.compat import sharding_collectives as collectives
 from tfdist.compat import sharding_variables as variables_lib
+from tfdist.sharding import registry
 
 _WHOLE, _REDUCED_THEN_SLICED, _SCATTERED, _GATHERED = "whole", "stage1", "stage2", "stage3"
 SCALAR_READS = "(scalar variable reads)"
@@ -118,7 +119,7 @@ class ShardedSync(gradient_sync_lib.GradientSync):
         with self._lock:
             if optimizer in self._checked:
                 return
-        variables_lib.check_optimizer(optimizer, stage=self.plan.stage)
+        registry.check_optimizer(optimizer, stage=self.plan.stage)
         with self._lock:
             self._checked.add(optimizer)
 
