@@ -58,19 +58,27 @@ import tfdist.compat
 from tfdist.compat import _patch
 
 tfdist.make_strategy("multi_worker_mirrored")  # one worker: installs the Keras file fixes
+from tfdist.compat import ps_fit
+from tfdist.ps import keras_api
+ps_fit.set_routes(keras_api.ROUTES)  # what the parameter_server preset routes to
 failed, modules = {}, []
 for info in pkgutil.iter_modules(tfdist.compat.__path__):
     if info.name.startswith("_"):
         continue
     install = getattr(importlib.import_module("tfdist.compat." + info.name), "install", None)
-    if install is None or any(p.default is p.empty for p in
-                              inspect.signature(install).parameters.values()):
-        continue  # installed by a preset with arguments (ps_fit, ps_recovery)
+    if install is None:
+        continue
     modules.append(info.name)
+    if any(p.default is p.empty for p in inspect.signature(install).parameters.values()):
+        failed[info.name] = "install() takes arguments (one install API: none, a tuple back)"
+        continue
     try:
-        install()
+        names = install()
     except Exception as e:
         failed[info.name] = f"{type(e).__name__}: {e}"
+        continue
+    if not (isinstance(names, tuple) and all(isinstance(n, str) for n in names)):
+        failed[info.name] = f"install() returned {names!r}, not the tuple of names it installed"
 print("RESULT " + json.dumps({"failed": failed, "modules": modules,
                               "installed": list(_patch.installed())}))
 """

@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from tfdist.compat import _patch
-from tfdist.compat._patch import CompatError, Fix, install, passthrough
+from tfdist.compat._patch import CompatError, Fix, passthrough
 
 ISSUE = ("none found (Keras 3's BackupAndRestore(save_freq=N) saves the batch and resumes "
          "at the start of its epoch)")
@@ -67,8 +67,16 @@ def start_next_epoch_at(step: int, *, steps_per_execution: int = 1, consume: int
     if not (step or consume or across):
         clear()
         return
-    install(FIX)
+    install()
     _pending.value = (int(step), int(consume), int(across))
+
+
+def install() -> tuple[str, ...]:
+    """Installs the fix (idempotent); returns the names installed by this call.
+
+    `start_next_epoch_at` installs it when a backup has a position to resume.
+    """
+    return _patch.install_all((FIX,))
 
 
 def take_pending() -> tuple[int, int] | None:

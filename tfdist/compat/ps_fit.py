@@ -106,28 +106,38 @@ def _fix(method: str) -> _patch.Fix:
 FIXES = tuple(_fix(m) for m in METHODS)
 
 
-def install(routes: dict[str, Route]) -> tuple[str, ...]:
-    """Routes compile/fit/evaluate/predict of tfdist PS-strategy models to `routes[method]`.
+def set_routes(routes: dict[str, Route]) -> None:
+    """Where the fixes send compile/fit/evaluate/predict of tfdist PS-strategy models.
 
     Args:
       routes: method name -> `route(model, keras_method, *args, **kwargs)`, one per
-        name in `METHODS`.
-
-    Returns:
-      The names of the fixes installed by this call (none when already installed).
+        name in `METHODS` (tfdist.ps.keras_api.ROUTES).
 
     Raises:
       ValueError: `routes` does not name exactly `METHODS`.
-      CompatError: Keras's methods are not shaped as these fixes expect.
     """
     if set(routes) != set(METHODS):
         raise ValueError(f"routes must name {', '.join(METHODS)}. Received: {sorted(routes)}.")
+    with _lock:
+        _routes.update(routes)
+
+
+def install() -> tuple[str, ...]:
+    """Installs the four fixes, or none (idempotent); returns the names installed by this call.
+
+    Raises:
+      RuntimeError: no routes yet (`set_routes` first).
+      CompatError: Keras's methods are not shaped as these fixes expect.
+    """
     from tfdist.compat._versions import check_versions
 
     with _lock:
-        _routes.update(routes)
+        missing = [m for m in METHODS if m not in _routes]
+    if missing:
+        raise RuntimeError(f"tfdist.compat.ps_fit has no route for {', '.join(missing)}: call "
+                           "ps_fit.set_routes(tfdist.ps.keras_api.ROUTES) before install().")
     check_versions(warn=True)
-    return tuple(fix.name for fix in FIXES if _patch.install(fix))
+    return _patch.install_all(FIXES)
 
 
 def names() -> tuple[str, ...]:

@@ -42,7 +42,8 @@ def make_strategy(options: config_lib.ParameterServerOptions):
     ps_keras.check()
     ps_variables.install()
     ps_tables.install()
-    ps_fit.install(keras_api.ROUTES)
+    ps_fit.set_routes(keras_api.ROUTES)
+    ps_fit.install()
     strategy = tf.distribute.ParameterServerStrategy(
         resolver, variable_partitioner=_partitioner(tf, options, num_ps))
     return strategy
