@@ -1,6 +1,6 @@
 """tfdist.compat.keras_log_reduction: one collective for a multi-worker step's logs.
 
-One 2-worker launch (tests/comm/_log_reduction_run.py) fits a regression
+One 2-worker launch (tests/comm/run_log_reduction.py) fits a regression
 model whose step logs three values (loss, mae, mse): with the fix, without it
 (the canary: Keras's reduction, through tfdist's keras_multi_worker fix,
 still launches one collective per value) and with steps_per_execution=4. The
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests.comm import _log_reduction_run as run
+from tests.comm import run_log_reduction as run
 from tests.support import REPO, alive
 from tfdist.compat import _patch, keras_log_reduction, keras_multi_worker
 
@@ -28,7 +28,7 @@ def workers(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("log_reduction")
     out, err = io.StringIO(), io.StringIO()
     result = launch_lib.launch(
-        [sys.executable, os.path.join(REPO, "tests", "comm", "_log_reduction_run.py"),
+        [sys.executable, os.path.join(REPO, "tests", "comm", "run_log_reduction.py"),
          str(out_dir)], num_workers=2, timeout=300, grace_period=3.0, output="all", stdout=out,
         stderr=err,
         env=dict(os.environ, PYTHONPATH=REPO))
@@ -54,7 +54,7 @@ def _max_difference(a, b) -> float:
 @pytest.mark.timeout(400)
 def test_one_collective_for_the_logs_and_the_same_logs_as_one_device(workers, one_device):
     ref_logs, ref_weights = one_device
-    # Worker 0 profiles its steps (the workers run the same ones; _log_reduction_run says
+    # Worker 0 profiles its steps (the workers run the same ones; run_log_reduction says
     # why worker 1 does not).
     counts = {name: [w[name]["collectives_per_step"] for w in workers]
               for name in ("packed", "unpacked")}
