@@ -7,7 +7,9 @@ ModelCheckpoint (.weights.h5, .keras, .h5), TensorBoard and CSVLogger, then
 `save_weights`, `save` (.keras, .h5) and `export` to one path on every
 worker; then Keras's BackupAndRestore interrupted at epoch 2 and resumed in a
 fresh model; then the ordered-write probe (below) with tfdist's fixes and,
-as a negative control, again after `keras_files.uninstall()`.
+as a negative control, again after `keras_files.uninstall()`; and "save,
+then load_model" on every worker with a chief slow to write, with and
+without the barrier after the chief's write.
 
 --mode user (a user's own tf.distribute.MultiWorkerMirroredStrategy, tfdist's
 fixes installed but not applying to it): the ordered-write probe and
@@ -81,6 +83,48 @@ def _ordered_writes(tf, keras, strategy, barrier, task_index, out):
                 holder[name] = int(round(float(fresh.get_weights()[0].ravel()[0])))
     barrier()
     return holder
+
+
+def _save_then_load(keras, strategy, barrier, out):
+    """keras.io's "save, then load_model" on every worker, with a chief slow to write.
+
+    Returns {"fixed": outcome, "unfixed": outcome} on this worker: "loaded" or the
+    error's type. "unfixed" takes out the barrier that makes every worker wait for the
+    chief's file (a negative control: the load then races the chief's write).
+    """
+    import time
+
+    from tfdist.compat import keras_files
+
+    with strategy.scope():
+        model = mdl.build(seed=0, on_read=False)
+        _compile(keras, model)
+    os.makedirs(out, exist_ok=True)
+    stock_write_as, stock_barrier = keras_files.write_as, keras_files.barrier
+
+    def slow_write_as(who, *args, **kwargs):
+        if who == "chief":
+            time.sleep(1.0)
+        return stock_write_as(who, *args, **kwargs)
+
+    outcomes = {}
+    keras_files.write_as = slow_write_as
+    try:
+        for name in ("fixed", "unfixed"):
+            if name == "unfixed":
+                keras_files.barrier = lambda strategy: None
+            path = os.path.join(out, f"{name}.keras")
+            model.save(path)
+            try:
+                keras.saving.load_model(path, compile=False)
+                outcomes[name] = "loaded"
+            except Exception as e:  # noqa: BLE001 (the outcome is what the test reads)
+                outcomes[name] = type(e).__name__
+            keras_files.barrier = stock_barrier
+            barrier()
+    finally:
+        keras_files.write_as, keras_files.barrier = stock_write_as, stock_barrier
+    return outcomes
 
 
 def _drive_callbacks_by_hand(keras, strategy, task_index, out):
@@ -190,6 +234,8 @@ def run_tfdist(args, tf, keras, np, strategy, barrier, task, task_index):
 
     report["ordered"] = _ordered_writes(tf, keras, strategy, barrier, task_index,
                                         os.path.join(out, "ordered"))
+    report["save_then_load"] = _save_then_load(keras, strategy, barrier,
+                                               os.path.join(out, "save_load"))
     report["uninstalled"] = list(keras_files.uninstall())
     report["ordered_unpatched"] = _ordered_writes(tf, keras, strategy, barrier, task_index,
                                                   os.path.join(out, "unpatched"))

@@ -110,11 +110,18 @@ def test_every_keras_writer_leaves_one_intact_file_the_chiefs(tmp_path):
     assert len(chief["uninstalled"]) == 10
     assert set(chief["ordered_unpatched"].values()) == {1}, chief["ordered_unpatched"]
 
+    # Saving then loading on every worker (keras.io's pattern) reads the chief's file even
+    # when the chief is slow to write; without the barrier after its write (negative
+    # control) worker 1's load comes first and fails.
+    assert chief["save_then_load"] == {"fixed": "loaded", "unfixed": "loaded"}, chief
+    assert other["save_then_load"]["fixed"] == "loaded", other
+    assert other["save_then_load"]["unfixed"] != "loaded", other
+
     # Nothing else was written: no partial siblings, no scratch left behind.
     expected_files = {
         "ckpt.weights.h5", "ckpt.keras", "ckpt.h5", "tb", "log.csv", "direct.weights.h5",
         "sharded", "function.keras", "direct.keras", "direct.h5", "export", "ordered",
-        "unpatched", "preds_worker0.npy",
+        "unpatched", "save_load", "preds_worker0.npy",
         "preds_worker1.npy", "report_worker0.json", "report_worker1.json"}
     assert set(os.listdir(out)) == expected_files
     assert sorted(os.listdir(out / "ordered")) == [

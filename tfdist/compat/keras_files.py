@@ -30,7 +30,11 @@ target differs:
 - the chief writes the user's path, atomically where the path is local: into
   a hidden sibling (`.tfdist-partial-<pid>-<name>`) that replaces the target
   once complete, so a kill during a save leaves the previous file intact.
-  Partial siblings left by a killed chief are removed by its next save.
+  Partial siblings left by a killed chief are removed by its next save;
+- every worker returns from a save once the chief's file is in place (a
+  one-number all-reduce after the write), so a script that saves and then
+  loads the path on every worker (keras.io's "save, then load_model") reads
+  the chief's file instead of racing its write ("File not found").
 
 Every fix passes straight through unless the model (or the exported
 variables) belongs to a MultiWorkerMirroredStrategy made by tfdist that
@@ -94,13 +98,18 @@ def _model_role(model: Any) -> str | None:
     return role(getattr(model, "_distribute_strategy", None))
 
 
-def _archive_role(archive: Any) -> str | None:
+def _archive_strategy(archive: Any) -> Any:
     trackable = getattr(archive, "_tf_trackable", None)
     for variable in getattr(trackable, "variables", None) or ():
         strategy = _owner.strategy_of_variable(variable)
         if strategy is not None:
-            return role(strategy)
+            return strategy
     return None
+
+
+def _archive_role(archive: Any) -> str | None:
+    strategy = _archive_strategy(archive)
+    return None if strategy is None else role(strategy)
 
 
 def is_multi_worker(strategy: Any) -> bool:
@@ -244,6 +253,17 @@ def write_as(who: str, filepath: Any, write: Callable[[Any], Any], *,
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def write_for_every_worker(strategy: Any, filepath: Any, write: Callable[[Any], Any],
+                           **kwargs) -> Any:
+    """`write_as` with this worker's role, then a barrier: every worker returns once the
+    chief's file is complete (renamed into place), so a script that saves and then
+    loads the path on every worker (keras.io's "save, then load_model") reads it."""
+    try:
+        return write_as(role(strategy), filepath, write, **kwargs)
+    finally:
+        barrier(strategy)
+
+
 # --- the saving functions ---------------------------------------------------------
 
 
@@ -287,9 +307,9 @@ def _make_save_model(original):
     @passthrough(original, _applies_to_model)
     def save_model(model, filepath, *args, **kwargs):
         zipped = kwargs.get("zipped", args[1] if len(args) > 1 else True)
-        return write_as(_model_role(model), filepath,
-                        lambda path: original(model, path, *args, **kwargs),
-                        directory=not zipped)
+        return write_for_every_worker(model._distribute_strategy, filepath,
+                                      lambda path: original(model, path, *args, **kwargs),
+                                      directory=not zipped)
 
     return save_model
 
@@ -298,8 +318,9 @@ def _make_save_weights(original):
     @passthrough(original, _applies_to_model)
     def save_weights_only(model, filepath, *args, **kwargs):
         sharded = kwargs.get("max_shard_size", args[0] if args else None) is not None
-        return write_as(_model_role(model), filepath,
-                        lambda path: original(model, path, *args, **kwargs), atomic=not sharded)
+        return write_for_every_worker(model._distribute_strategy, filepath,
+                                      lambda path: original(model, path, *args, **kwargs),
+                                      atomic=not sharded)
 
     return save_weights_only
 
@@ -307,8 +328,8 @@ def _make_save_weights(original):
 def _make_save_hdf5(original):
     @passthrough(original, _applies_to_model)
     def save_model_to_hdf5(model, filepath, *args, **kwargs):
-        return write_as(_model_role(model), filepath,
-                        lambda path: original(model, path, *args, **kwargs))
+        return write_for_every_worker(model._distribute_strategy, filepath,
+                                      lambda path: original(model, path, *args, **kwargs))
 
     return save_model_to_hdf5
 
@@ -317,8 +338,9 @@ def _make_write_out(original):
     @passthrough(original, lambda self, filepath, *a, **k: (
         _is_path(filepath) and _archive_role(self) is not None))
     def write_out(self, filepath, *args, **kwargs):
-        return write_as(_archive_role(self), filepath,
-                        lambda path: original(self, path, *args, **kwargs), directory=True)
+        return write_for_every_worker(_archive_strategy(self), filepath,
+                                      lambda path: original(self, path, *args, **kwargs),
+                                      directory=True)
 
     return write_out
 
