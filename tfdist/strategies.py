@@ -438,6 +438,9 @@ MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
             "Keras's own file writers leave one intact file, the chief's",
             when="always", fixes=("keras_multi_worker", "keras_files"),
             attach=_keras_multi_worker),
+    Feature("initial_values", "variables of any dtype (bfloat16, int8, ...) start from worker "
+            "0's value: their initial-value broadcast is widened exactly",
+            when="always", fixes=("initial_values",), attach=_installs("initial_values")),
     Feature("keras_log_reduction", "a multi-worker step's scalar logs (loss, metrics) "
             "reduced in one collective instead of one each (keras-team/keras#20585)",
             # After keras_multi_worker's fix (so around it): one collective for the logs.

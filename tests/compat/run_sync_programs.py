@@ -688,10 +688,42 @@ def worker(out: str) -> dict:
                          *distributed["weights"])
     _lap(results, "patterns")
     results.update(_metric_reduction_canary(strategies["mwms"]))
+    results.update(_variable_dtypes(strategies["mwms"], task))
     results.update(_run_training_twice(out, task, one))
     _lap(results, "run_training_twice")
     with open(os.path.join(out, f"results_{task}.json"), "w") as f:
         json.dump(results, f)
+    return results
+
+
+def _variable_dtypes(strategy, task: int) -> dict:
+    """Variables of dtypes TensorFlow's broadcast ops lack, made with this task's values.
+
+    Every worker must end with worker 0's values (the initial-value broadcast); without
+    tfdist's initial_values fix (the canary) making one fails on every worker alike.
+    """
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.compat import initial_values
+
+    results = {}
+    values = [task + 1, 2 * task + 3]
+    for dtype in ("bfloat16", "int8", "uint8", "float32"):
+        with strategy.scope():
+            variable = tf.Variable(tf.constant(values, dtype))
+        results[f"dtype.{dtype}"] = [float(x) for x in
+                                     tf.cast(variable.values[0], tf.float32).numpy()]
+        results[f"dtype.{dtype}.dtype"] = variable.dtype.name
+    tfdist.compat.uninstall([initial_values.NAME])
+    try:
+        with strategy.scope():
+            tf.Variable(tf.constant(values, tf.bfloat16))
+        results["dtype.unfixed.error"] = None
+    except Exception as e:  # noqa: BLE001 (the canary records what stock TensorFlow does)
+        results["dtype.unfixed.error"] = str(e)[:300]
+    finally:
+        initial_values.install()
     return results
 
 

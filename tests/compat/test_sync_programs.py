@@ -182,6 +182,20 @@ def test_run_training_twice_makes_a_second_strategy_and_resumes_as_one_device(wo
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_variables_of_any_dtype_start_from_worker_0s_value(workers):
+    # keras.io's Gemma LoRA guide under a bfloat16 policy: TensorFlow's broadcast of initial
+    # values has no bfloat16 (nor int8, uint8) kernel; initial_values widens it exactly.
+    _, results = workers
+    for r in results:
+        for dtype in ("bfloat16", "int8", "uint8", "float32"):
+            assert r[f"dtype.{dtype}"] == [1.0, 3.0], (dtype, r[f"dtype.{dtype}"])
+            assert r[f"dtype.{dtype}.dtype"] == dtype
+        # The canary: without the fix stock TensorFlow refuses the dtype on every worker.
+        assert "bfloat16 is not in the list" in (r["dtype.unfixed.error"] or ""), r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_stock_reductions_of_a_metric_variable_still_fail_on_two_workers(workers):
     # The canary of keras_multi_worker.reduce_per_replica's pass-through for variables
     # (keras.io's CategoricalTruePositives returns its own): Keras's multi-worker reduction
