@@ -51,8 +51,12 @@ def test_kills_mid_epoch_of_the_chief_twice_and_together_resume_exactly(tmp_path
     assert result.returncode == 0, out[-3000:] + err[-3000:]
     assert result.attempts == 3
     assert f"[worker:0] killing myself at step {first}" in out
-    assert f"[chief:0] killing myself at step {second}" in out
-    assert f"[worker:0] killing myself at step {second}" in out
+    # Attempt 2: both reach step 20 together. The first to kill itself ends the attempt: the
+    # launcher then stops the other, which (its Python thread a little behind on a loaded
+    # machine) may be stopped, at its SIGTERM save point, before its own kill line.
+    together = [task for task in ("chief:0", "worker:0")
+                if f"[{task}] killing myself at step {second}" in out]
+    assert together, out[-3000:]
     assert "worker:0 was killed by SIGKILL; stopped the other tasks" in err
     # Each attempt resumed from the last epoch that finished before its kill.
     for task in ("chief:0", "worker:0"):
