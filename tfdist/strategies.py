@@ -448,6 +448,16 @@ MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
 )
 
 
+# Strategies over several devices of this machine (the mirrored preset).
+LOCAL_FEATURES: tuple[Feature, ...] = (
+    Feature("keras_epoch_iterator", "fit without steps_per_epoch builds one distributed data "
+            "iterator per epoch instead of two (Keras discards the end-of-epoch one; each costs "
+            "a MultiDeviceIterator)",
+            when="always", fixes=("keras_epoch_iterator",),
+            attach=_installs("keras_epoch_iterator")),
+)
+
+
 # --- presets -----------------------------------------------------------------
 
 
@@ -485,7 +495,7 @@ def _one_device(options: config_lib.OneDeviceOptions):
     options=config_lib.MirroredOptions,
     summary="Synchronous data parallelism over this machine's devices (MirroredStrategy).",
     needs="1+ local devices (all GPUs, else all logical CPUs)",
-    features=COMMON_FEATURES + SYNC_FEATURES,
+    features=LOCAL_FEATURES + COMMON_FEATURES + SYNC_FEATURES,
     fixes=("collective_keys",),
 )
 def _mirrored(options: config_lib.MirroredOptions):

@@ -18,9 +18,9 @@ def test_a_made_strategy_has_one_record_with_its_preset_options_and_features():
     assert state.options == tfdist.MirroredOptions(num_devices=2, sync_batch_norm=True)
     assert state.features == tuple(f.name for f in tfdist.installs(
         "mirrored", num_devices=2, sync_batch_norm=True).features)
-    assert state.features == ("optimizer_update", "keras_build", "batch_norm",
-                              "keras_multi_step", "keras_losses", "keras_xla", "loss_scale",
-                              "keras_backup")
+    assert state.features == ("keras_epoch_iterator", "optimizer_update", "keras_build",
+                              "batch_norm", "keras_multi_step", "keras_losses", "keras_xla",
+                              "loss_scale", "keras_backup")
     assert state.sync_batch_norm is True
     assert state.gradient_sync is None and state.sharding_plan is None
     assert state_lib.adopt(strategy) is state  # adopting again changes nothing
@@ -58,12 +58,12 @@ def test_strategies_tfdist_did_not_make_have_no_record():
     ("one_device", {}, ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step",
                         "keras_losses", "keras_xla", "loss_scale", "keras_backup"), ()),
     ("mirrored", {"shard": "optimizer"},
-     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "keras_losses",
-      "keras_xla", "loss_scale", "keras_backup", "sharding"),
+     ("keras_epoch_iterator", "optimizer_update", "keras_build", "batch_norm",
+      "keras_multi_step", "keras_losses", "keras_xla", "loss_scale", "keras_backup", "sharding"),
      ("collective_keys", "sharding_variables")),
     ("mirrored", {"gradient_compression": "bf16"},
-     ("optimizer_update", "keras_build", "batch_norm", "keras_multi_step", "keras_losses",
-      "keras_xla", "loss_scale", "keras_backup", "comm"),
+     ("keras_epoch_iterator", "optimizer_update", "keras_build", "batch_norm",
+      "keras_multi_step", "keras_losses", "keras_xla", "loss_scale", "keras_backup", "comm"),
      ("collective_keys", "comm_collectives")),
     ("multi_worker_mirrored", {}, ("keras_multi_worker", "initial_values", "keras_log_reduction",
                                    "optimizer_update", "keras_build", "batch_norm",

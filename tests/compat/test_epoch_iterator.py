@@ -1,0 +1,75 @@
+"""keras_epoch_iterator: one distributed data iterator per epoch, the weights of one device.
+
+Keras's fit without steps_per_epoch builds a second iterator after each
+epoch's last step that the next epoch discards; under a MirroredStrategy each
+is a MultiDeviceIterator (hundreds of ms). Counted here by the builds of
+`DistributedDataset.__iter__`, with the fix, without it (negative control,
+the same tfdist strategy), and under a stock MirroredStrategy (untouched).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.compat import _patch, keras_epoch_iterator
+
+EPOCHS = 3
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((64, 8)).astype("float32"),
+            rng.integers(0, 4, size=64).astype("int32"))
+
+
+def _fit(strategy):
+    """(weights after EPOCHS shuffled epochs, DistributedDataset builds)."""
+    import contextlib
+
+    import keras
+    from tensorflow.python.distribute import input_lib
+
+    builds = []
+    original = input_lib.DistributedDataset.__iter__
+
+    def counted(self):
+        builds.append(1)
+        return original(self)
+
+    x, y = _data()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(input_lib.DistributedDataset, "__iter__", counted)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(4)])
+            model.compile(keras.optimizers.Adam(1e-2),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        model.fit(x, y, batch_size=16, epochs=EPOCHS, shuffle=True, verbose=0)
+    return np.concatenate([w.numpy().ravel() for w in model.weights]), len(builds)
+
+
+def test_one_iterator_per_epoch_with_the_weights_of_one_device():
+    import tensorflow as tf
+
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    assert set(keras_epoch_iterator.NAMES) <= set(_patch.installed())
+    fixed, fixed_builds = _fit(strategy)
+    one_device, _ = _fit(None)
+    stock, stock_builds = _fit(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    # Negative control: the same tfdist strategy with the fix taken out.
+    _patch.uninstall(keras_epoch_iterator.NAMES)
+    try:
+        unfixed, unfixed_builds = _fit(strategy)
+    finally:
+        keras_epoch_iterator.install()
+    # Keras builds one iterator per epoch start and one after each epoch's last step.
+    assert unfixed_builds - fixed_builds == EPOCHS, (fixed_builds, unfixed_builds)
+    assert stock_builds == unfixed_builds  # a strategy tfdist did not make: Keras's own loop
+    # Same data order, same weights: the discarded iterator never fed a step.
+    assert np.abs(fixed - one_device).max() < 1e-6
+    assert np.abs(fixed - unfixed).max() < 1e-6
+    assert np.abs(stock - one_device).max() < 1e-6
