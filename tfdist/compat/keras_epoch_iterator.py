@@ -7,9 +7,9 @@ another one that the next epoch's start throws away unused (it makes a new
 one whenever `steps_per_epoch` is None). Over a plain `tf.data.Dataset` that
 iterator costs about a millisecond. Under a MirroredStrategy the iterator is
 `iter()` of a `DistributedDataset`: an `OwnedMultiDeviceIterator` that traces
-its per-device functions anew each time, 150-600 ms on a loaded 2-core machine
-with 2 logical CPUs (`experiments/bench_peers.py`), so every epoch paid for
-two of them.
+its per-device functions anew each time (147-618 ms per build measured on a
+loaded 2-core machine with 2 logical CPUs), so every epoch paid for two of
+them; docs/performance.md has the figures (`experiments/bench_peers.py`).
 
 The fix, for epoch iterators over a strategy tfdist made (TensorFlow's
 `TFEpochIterator`) and without `steps_per_epoch`: while Keras's own loop runs
