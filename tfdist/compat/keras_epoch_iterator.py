@@ -44,21 +44,11 @@ _SKIP = "_tfdist_skip_end_of_epoch_iterator"
 
 
 def _epoch_iterator_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.trainers import epoch_iterator
-
-    return epoch_iterator.EpochIterator
+    return _patch.upstream("keras.src.trainers.epoch_iterator.EpochIterator")
 
 
 def _tf_epoch_iterator_class():
-    from tfdist._tf import import_tensorflow
-
-    import_tensorflow()
-    from keras.src.backend.tensorflow import trainer
-
-    return trainer.TFEpochIterator
+    return _patch.upstream("keras.src.backend.tensorflow.trainer.TFEpochIterator")
 
 
 def _array_adapter_class():
