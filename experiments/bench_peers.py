@@ -1,7 +1,7 @@
 """tfdist next to what a Keras user would pick instead: `python -m experiments.bench_peers`.
 
     python -m experiments.bench_peers [--rounds=3] [--steps=60] [--configs=...]
-        [--jax_python=/work/venvs/perf-jax/bin/python] [--out results/bench_peers.json]
+        [--jax_python=PATH] [--out results/bench_peers.json]
 
 One model, one data set, one global batch, the same cores: an MLP
 784-512-512-10 with Adam(1e-3), sparse categorical cross-entropy and an
@@ -59,7 +59,9 @@ WIDTHS = (784, 512, 512, 10)
 TINY_WIDTHS = (8, 10)
 GLOBAL_BATCH = 256
 EPOCHS = 3  # the first traces and is not timed
-DEFAULT_JAX_PYTHON = "/work/venvs/perf-jax/bin/python"
+# A Python with jax and keras installed (e.g. `python -m venv jaxenv && jaxenv/bin/pip install
+# jax keras`): --jax_python, or TFDIST_JAX_PYTHON.
+DEFAULT_JAX_PYTHON = os.environ.get("TFDIST_JAX_PYTHON", "")
 CONFIGS = ("tf_plain", "tfdist_mirrored", "tf_mirrored", "jax_plain", "jax_data_parallel")
 BASES = ("tf_plain", "tfdist_mirrored", "tf_mirrored", "jax_plain", "jax_data_parallel")
 KNOBS = ("unfixed", "intra", "inter", "spe", "cdo", "tiny")
@@ -236,6 +238,9 @@ def _run_config(name: str, steps: int, out: str) -> None:
 
 def jax_available(jax_python: str) -> str | None:
     """None when `jax_python` imports jax and Keras on JAX, else the reason it does not."""
+    if not jax_python:
+        return ("no JAX environment given: --jax_python=PATH (or TFDIST_JAX_PYTHON), a Python "
+                "with jax and keras installed")
     if not os.path.exists(jax_python):
         return f"no JAX environment at {jax_python} (--jax_python)"
     probe = subprocess.run(
