@@ -63,18 +63,23 @@ class _Chief:
         while True:
             left = self.deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError("timed out waiting for the chief; output:\n"
-                                     + "".join(self.keep[-40:]))
+                raise AssertionError("timed out waiting for the chief; output:\n" + self.tail())
             try:
                 line = self.lines.get(timeout=left)
             except queue.Empty:
                 continue
             if line is None:
-                raise AssertionError("the chief exited early; output:\n"
-                                     + "".join(self.keep[-60:]))
+                raise AssertionError("the chief exited early; output:\n" + self.tail(60))
             text = line.removeprefix("[chief:0] ")  # when run under the launcher
             if text.startswith("{"):
                 return json.loads(text)
+
+    def tail(self, lines: int = 40) -> str:
+        """The chief's last lines, TensorFlow's repeated connection errors left out."""
+        kept = [line for line in self.keep if not line.startswith(("E0000", "W0000", "I0000",
+                                                                  "Additional GRPC", ":UNKNOWN",
+                                                                  "This could happen"))]
+        return "".join(kept[-lines:])
 
     def until(self, name: str) -> dict:
         while True:
@@ -124,9 +129,24 @@ def test_worker_failures_overlapping_all_lost_and_ps_lost(tmp_path):
         proc.wait(timeout=10)
 
     def ran_steps(task_type, index):
-        _, log = live[(task_type, index)]
-        _wait(lambda: MARKER in log.read_text(), f"{task_type}:{index} ran a step ({log})",
-              deadline)
+        proc, log = live[(task_type, index)]
+
+        def ran():
+            if proc.poll() is not None:
+                raise AssertionError(f"{task_type}:{index} exited ({proc.returncode}) before "
+                                     f"it ran a step; its log:\n{log.read_text()[-1500:]}")
+            if chief is not None and chief.proc.poll() is not None:
+                raise AssertionError(f"the chief exited ({chief.proc.returncode}) before "
+                                     f"{task_type}:{index} ran a step:\n" + chief.tail())
+            return MARKER in log.read_text()
+
+        try:
+            _wait(ran, f"{task_type}:{index} ran a step ({log})", deadline)
+        except AssertionError as e:
+            if "timed out" not in str(e):
+                raise
+            raise AssertionError(f"{e}\n--- its log:\n{log.read_text()[-1500:]}"
+                                 f"\n--- the chief:\n{chief.tail()}") from None
 
     def touch(name):
         (tmp_path / name).write_text("1")

@@ -102,3 +102,52 @@ def test_canary_tensorflow_still_recovers_the_whole_cluster_at_once():
         "TensorFlow's WorkerPreemptionHandler changed its recovery: re-check whether "
         "tfdist.compat.ps_recovery is still needed")
     assert "update_server_def(self._server_def)" in source
+
+
+def test_a_worker_back_that_cannot_be_taken_back_is_said_so(monkeypatch, caplog):
+    # TensorFlow's own waits during a cluster update are silent: a worker that listens
+    # again but cannot rejoin (every update fails, or one blocks) gets a warning with
+    # the reason; a recovery that goes through at once says nothing.
+    import logging
+    import time
+
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+    from tensorflow.python.framework import errors
+
+    server_def = tensorflow_server_pb2.ServerDef()
+    for name, tasks in (("worker", ["127.0.0.1:1", "127.0.0.1:2"]), ("ps", ["127.0.0.1:3"])):
+        job = server_def.cluster.job.add()
+        job.name = name
+        for i, address in enumerate(tasks):
+            job.tasks[i] = address
+    monkeypatch.setattr(ps_recovery, "SLOW_UPDATE_WARNING_SECONDS", 0.2)
+    updates = []
+
+    def update_server_def(sent):
+        updates.append(sorted(next(j for j in sent.cluster.job if j.name == "worker").tasks))
+        if len(updates) in (2, 3):
+            raise errors.UnavailableError(None, None, "failed to connect to all addresses")
+        if len(updates) == 4:
+            time.sleep(0.5)
+
+    monkeypatch.setattr(context.context(), "update_server_def", update_server_def)
+    recovery = ps_recovery.PartialRecovery(object(), server_def, all_lost_timeout=60,
+                                           reachable=lambda address: True,
+                                           all_lost_error=RuntimeError)
+    caplog.set_level(logging.WARNING, logger="tfdist")
+    try:
+        recovery._update({1}, {1: time.monotonic()})  # at once: nothing to say
+        assert updates == [[0, 1]] and not caplog.records
+        recovery._update({1}, {1: time.monotonic()})
+        time.sleep(0.25)
+        recovery._update({1}, {1: time.monotonic()})
+        recovery._update({1}, {1: time.monotonic()})  # blocks 0.5 s, then goes through
+    finally:
+        recovery.stop()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "worker:1 at 127.0.0.1:2 accept(s) connections again" in said[0], said
+    assert "UnavailableError: failed to connect to all addresses" in said[0], said
+    assert "taking back worker(s) [1] (leaving out []) has not returned" in said[1], said
+    assert "succeeded after" in said[2], said

@@ -67,6 +67,9 @@ UPSTREAM = ("tensorflow/python/distribute/coordinator/cluster_coordinator.py "
 
 # How often the recovery thread probes failed workers (seconds).
 POLL_SECONDS = 0.5
+# A worker that accepts connections but cannot be taken back for this long gets a
+# warning with the reason (the recovery keeps trying).
+SLOW_UPDATE_WARNING_SECONDS = 10.0
 
 # TensorFlow's failure handler (one per coordinator) -> the PartialRecovery attached to it.
 _recoveries: "weakref.WeakKeyDictionary[Any, PartialRecovery]" = weakref.WeakKeyDictionary()
@@ -198,6 +201,8 @@ class PartialRecovery:
         self._cond = threading.Condition()
         self._down: dict[int, float] = {}  # worker index -> when it failed
         self._failed_error: Exception | None = None
+        self._update_failing_since: float | None = None  # a worker is back, updates fail
+        self._warned_slow_update = False
         self._running = True
         self.reruns = 0
         self._thread = threading.Thread(target=self._recover_loop, name="tfdist-ps-recovery",
@@ -305,11 +310,20 @@ class PartialRecovery:
         # block in GetStatus until it returns).
         still_down = {i for i, address in self._addresses.items()
                       if i not in back and (i in down or not self._reachable(address))}
+        # An update that blocks is said so (TensorFlow's own waits are silent).
+        timer = threading.Timer(SLOW_UPDATE_WARNING_SECONDS, logger.warning, args=(
+            "tfdist: the cluster update taking back worker(s) %s (leaving out %s) has not "
+            "returned after %.0f s", sorted(back), sorted(still_down),
+            SLOW_UPDATE_WARNING_SECONDS))
+        timer.daemon = True
+        timer.start()
         try:
             with _fail_fast_rpcs():
                 context.context().update_server_def(self._server_def_without(still_down))
         except Exception as e:  # noqa: BLE001 (any failure: probe again, decide below)
             logger.info("tfdist: cluster update (workers back: %s) failed: %s", sorted(back), e)
+            self._note_failed_update(back, e)
+            timer.cancel()
             lost_ps = [f"ps:{i} at {a}" for i, a in sorted(self._ps_addresses.items())
                        if not self._reachable(a)]
             if lost_ps:
@@ -317,12 +331,32 @@ class PartialRecovery:
                     f"parameter server {', '.join(lost_ps)} is unreachable while recovering "
                     f"worker(s) {sorted(back)}"))
             return
+        timer.cancel()
+        if self._warned_slow_update:
+            logger.warning("tfdist: the cluster update succeeded after %.0f s",
+                           time.monotonic() - self._update_failing_since)
+        self._update_failing_since, self._warned_slow_update = None, False
         with self._cond:
             for index in back:
                 self._down.pop(index, None)
             self._cond.notify_all()
         logger.info("tfdist: cluster updated; workers back: %s; still down: %s",
                     sorted(back), sorted(still_down))
+
+    def _note_failed_update(self, back: set[int], error: Exception) -> None:
+        """Warns once when workers that are back could not be taken back for a while."""
+        now = time.monotonic()
+        if self._update_failing_since is None:
+            self._update_failing_since = now
+        if (not self._warned_slow_update
+                and now - self._update_failing_since >= SLOW_UPDATE_WARNING_SECONDS):
+            self._warned_slow_update = True
+            workers = ", ".join(f"worker:{i} at {self._addresses[i]}" for i in sorted(back))
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]
+            logger.warning(
+                "tfdist: %s accept(s) connections again, but the coordinator could not take "
+                "them back for %.0f s (still trying): %s: %s", workers,
+                now - self._update_failing_since, type(error).__name__, first_line)
 
     def _check_all_lost(self, down: dict[int, float]) -> None:
         if len(down) < len(self._addresses):
