@@ -104,16 +104,8 @@ def test_canary_tensorflow_still_recovers_the_whole_cluster_at_once():
     assert "update_server_def(self._server_def)" in source
 
 
-def test_a_worker_back_that_cannot_be_taken_back_is_said_so(monkeypatch, caplog):
-    # TensorFlow's own waits during a cluster update are silent: a worker that listens
-    # again but cannot rejoin (every update fails, or one blocks) gets a warning with
-    # the reason; a recovery that goes through at once says nothing.
-    import logging
-    import time
-
+def _server_def():
     from tensorflow.core.protobuf import tensorflow_server_pb2
-    from tensorflow.python.eager import context
-    from tensorflow.python.framework import errors
 
     server_def = tensorflow_server_pb2.ServerDef()
     for name, tasks in (("worker", ["127.0.0.1:1", "127.0.0.1:2"]), ("ps", ["127.0.0.1:3"])):
@@ -121,6 +113,52 @@ def test_a_worker_back_that_cannot_be_taken_back_is_said_so(monkeypatch, caplog)
         job.name = name
         for i, address in enumerate(tasks):
             job.tasks[i] = address
+    return server_def
+
+
+def test_an_error_in_the_recovery_thread_does_not_end_it(monkeypatch, caplog):
+    # The recovery thread is what wakes the coordinator's waiting worker threads: if it
+    # died on an unexpected error, they would wait forever.
+    import logging
+    import threading
+
+    from tensorflow.python.eager import context
+
+    monkeypatch.setattr(ps_recovery, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(context.context(), "update_server_def", lambda server_def: None)
+    probes = []
+
+    def reachable(address):
+        probes.append(address)
+        if len(probes) == 1:
+            raise RuntimeError("a probe that fails in an unexpected way")
+        return True
+
+    caplog.set_level(logging.WARNING, logger="tfdist")
+    recovery = ps_recovery.PartialRecovery(object(), _server_def(), all_lost_timeout=60,
+                                           reachable=reachable, all_lost_error=RuntimeError)
+    try:
+        waiter = threading.Thread(target=recovery._wait_until_back, args=(1,), daemon=True)
+        waiter.start()
+        waiter.join(timeout=20)
+        assert not waiter.is_alive(), "worker:1 was never taken back"
+    finally:
+        recovery.stop()
+    assert len(probes) >= 2
+    assert any("worker recovery hit an error" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_back_that_cannot_be_taken_back_is_said_so(monkeypatch, caplog):
+    # TensorFlow's own waits during a cluster update are silent: a worker that listens
+    # again but cannot rejoin (every update fails, or one blocks) gets a warning with
+    # the reason; a recovery that goes through at once says nothing.
+    import logging
+    import time
+
+    from tensorflow.python.eager import context
+    from tensorflow.python.framework import errors
+
+    server_def = _server_def()
     monkeypatch.setattr(ps_recovery, "SLOW_UPDATE_WARNING_SECONDS", 0.2)
     updates = []
 

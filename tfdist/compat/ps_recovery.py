@@ -286,11 +286,15 @@ class PartialRecovery:
                 if not self._running:
                     return
                 down = dict(self._down)
-            back = {i for i in down if self._reachable(self._addresses[i])}
-            if back:
-                self._update(back, down)
-            else:
-                self._check_all_lost(down)
+            try:
+                back = {i for i in down if self._reachable(self._addresses[i])}
+                if back:
+                    self._update(back, down)
+                else:
+                    self._check_all_lost(down)
+            except Exception:  # noqa: BLE001 (a dead recovery thread = workers wait forever)
+                logger.warning("tfdist: worker recovery hit an error; it goes on polling",
+                               exc_info=True)
             time.sleep(POLL_SECONDS)
 
     def _server_def_without(self, excluded) -> Any:
