@@ -6,9 +6,9 @@ Strings in (images for the image classifiers), the task's own preprocessor,
 fine-tuned on one device: the same seed and initial weights, global batch 8,
 3 steps of Adam (the reference sums duplicate sparse gradients, as every
 data-parallel replica set does: docs/numerics.md). Tolerance 1e-5 on every
-weight (measured <= 1.2e-7); every replica's copy identical; for LoRA the
-frozen base weights unchanged (0.0) and sharded at stage 3, the adapters
-trained.
+weight (measured <= 1.2e-7; ResNet 1e-4, see TASK_TOL); every replica's copy
+identical; for LoRA the frozen base weights unchanged (0.0) and sharded at
+stage 3, the adapters trained.
 
 Per push (one process on 2 logical CPUs, tests/programs/kerashub/run_tasks.py, and
 one `tfdist launch` of 2 workers):
@@ -41,6 +41,13 @@ pytestmark = pytest.mark.skipif(not zoo.AVAILABLE, reason=zoo.SKIP_REASON)
 
 RUN = os.path.join(REPO, "tests", "programs", "kerashub", "run_tasks.py")
 TOL = 1e-5
+# ResNet: a convolution feeding a BatchNormalization has gradient components that are ~0
+# (BN's normalisation removes them), and Adam scales each component to about its learning
+# rate whatever its size, so float-order noise in those components (the two-replica sums
+# vs one device's) moves such weights by up to lr per step. Measured after 3 steps of
+# Adam(5e-3): 4.8e-5 on stack0's conv kernels (0.3% of their movement, 1.5e-2); the same
+# program with SGD instead of Adam: 2.4e-7 on every weight.
+TASK_TOL = {"resnet_classifier": 1e-4}
 RELEASE = os.environ.get("TFDIST_RELEASE_TESTS") == "1"
 release_only = pytest.mark.skipif(not RELEASE, reason="the whole matrix runs in the release "
                                                       "job: TFDIST_RELEASE_TESTS=1")
@@ -75,7 +82,7 @@ def per_push(tmp_path_factory):
 
 def _check_equal(row):
     assert row["initial_equal"], row["case"]
-    assert row["diff"] < TOL, row
+    assert row["diff"] < TASK_TOL.get(row["task"], TOL), row
     assert row["moved"] > 100 * TOL, row  # it trained
     assert row["replicas_identical"], row["case"]
 
@@ -155,7 +162,7 @@ def _check_workers(prefix, reference_prefix, name):
     assert len(w0) == len(w1) == len(ref)
     for a, b, r in zip(w0, w1, ref):
         np.testing.assert_array_equal(a, b)  # workers bit-identical
-        np.testing.assert_allclose(a, r, rtol=0, atol=TOL)
+        np.testing.assert_allclose(a, r, rtol=0, atol=TASK_TOL.get(name, TOL))
     rows = [json.loads(open(f"{prefix}.{name}.worker{i}.json").read()) for i in (0, 1)]
     assert rows[0] == rows[1]
     return rows[0]
