@@ -1,0 +1,481 @@
+"""A simulated cluster with rate-limited links: `python -m experiments.bench_cluster`.
+
+    python -m experiments.bench_cluster [--nodes=2,4] [--rates=1,10] [--models=mlp,conv]
+        [--methods=none,buckets,fp16,bf16,powersgd] [--steps=8]
+        [--out=results/bench_cluster.json]
+
+Every "node" is a network namespace joined to a switch namespace by a veth
+pair whose two directions are shaped with a `tc` HTB class (experiments/netlab.py;
+the kernel here has no netem, so no delay is added: the round trip is what
+veth, the bridge and HTB give, measured and printed). Node k runs one
+`multi_worker_mirrored` worker at 192.0.2.(k+1) with one intra-op and one
+inter-op thread, pinned to core k mod the machine's cores.
+
+Link rates are equivalents scaled to this machine's compute (`RATE_SCALE`):
+a node here is one core, a real node is taken to be 16 such cores (the
+16-core machine of the scaling measurements), so a real link of R Gbit/s is
+shaped to R/16 here and communication takes the same share of a step as it
+would there: 1 Gbit/s-equivalent -> 62.5 Mbit/s, 10 -> 625 Mbit/s.
+
+For every nodes x rate x model x method (none; `buckets`: `bucket_bytes`
+1 MiB; fp16; bf16; powersgd rank 4, no warm-up), one fresh set of worker
+processes measures:
+- the training step (`model.fit`, median of the per-step wall times on
+  worker 0) and samples/s;
+- bytes on the wire per step (worker 0's TCP bytes_sent, `ss -ti`);
+- compute: the same step with the exchange removed (a GradientSync keeping
+  each worker's own gradients); exchange: the method's gradient exchange
+  alone; hidden = (compute + exchange - step) / exchange, the share of the
+  exchange the backward pass hid (clipped to [0, 1]);
+- the planner's prediction: `tfdist.planning.candidates` with that compute
+  time and an alpha-beta link calibrated by the first run of each
+  (nodes, rate) in the same lab (all-reduces of 16 KiB .. 4 MiB through
+  the same strategy), and `tfdist.planning.recommend`'s choice, judged
+  against the fastest method measured (fastest or within 10%). The cost
+  model assumes no overlap, so `buckets` is predicted as `none`.
+
+Needs root, `ip`, `tc` and `nsenter`; without them it prints why and exits 1.
+The namespaces and worker processes are removed when the program ends, on
+error too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RATE_SCALE = 1 / 16  # a node here is one core; a real node is 16 such cores
+BUCKET_BYTES = 1024 * 1024
+POWERSGD_RANK = 4
+METHODS = {
+    "none": {},
+    "buckets": {"bucket_bytes": BUCKET_BYTES},
+    "fp16": {"gradient_compression": "fp16"},
+    "bf16": {"gradient_compression": "bf16"},
+    "powersgd": {"gradient_compression": "powersgd", "powersgd_rank": POWERSGD_RANK,
+                 "powersgd_warmup_steps": 0},
+}
+MODELS = ("mlp", "conv")
+PER_WORKER_BATCH = 64
+CALIBRATION_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
+WORKER_TIMEOUT = 900
+# Targets on the 1 Gbit/s-equivalent link.
+POWERSGD_SPEEDUP_TARGET = 2.0
+HIDDEN_TARGET = 0.3
+PREDICTION_TOLERANCE = 0.3
+RECOMMENDATION_TOLERANCE = 0.10
+
+
+def _define_flags() -> None:
+    flags.DEFINE_list("nodes", ["2", "4"], "Node counts (each node one worker).")
+    flags.DEFINE_list("rates", ["1"], "Link rates in Gbit/s-equivalent (shaped to rate x "
+                      f"{RATE_SCALE:g}).")
+    flags.DEFINE_list("models", ["mlp"], "Models: " + ", ".join(MODELS))
+    flags.DEFINE_list("methods", list(METHODS), "Methods: " + ", ".join(METHODS))
+    flags.DEFINE_integer("steps", 8, "Timed steps per measurement (median kept).")
+    flags.DEFINE_string("out", "results/bench_cluster.json", "Where to write the rows (JSON).")
+    flags.DEFINE_string("role", None, "Internal: run as a worker with this JSON config.")
+    flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+
+
+FLAGS = flags.FLAGS
+
+
+def check_arguments(nodes, rates, models, methods, steps: int) -> None:
+    """ValueError naming what was received when the arguments cannot run."""
+    if not nodes or any(n < 2 for n in nodes):
+        raise ValueError(f"--nodes must be node counts >= 2. Received: {list(nodes)}")
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--rates must be positive Gbit/s-equivalents. Received: {list(rates)}")
+    for flag, given, known in (("models", models, MODELS), ("methods", methods, METHODS)):
+        unknown = [m for m in given if m not in known]
+        if unknown or not given:
+            raise ValueError(f"--{flag} must name one or more of {', '.join(known)}. "
+                             f"Received: {','.join(given)!r}")
+    if steps < 2:
+        raise ValueError(f"--steps must be >= 2. Received: steps={steps}")
+
+
+# --- worker (inside a node's namespace) ----------------------------------------------------
+
+
+def _model_and_data(name: str, workers: int, keras, np, tf):
+    """(model, dataset of global batches, global batch, compile kwargs)."""
+    rng = np.random.default_rng(0)
+    batch = PER_WORKER_BATCH * workers
+    if name == "mlp":  # 784-1024-1024-512-10: 2.4 M parameters, 9.5 MB of gradients
+        shape = (784,)
+        model = keras.Sequential([keras.Input(shape)] + [
+            keras.layers.Dense(w, activation="relu") for w in (1024, 1024, 512)] + [
+            keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam(1e-4)
+    else:  # conv: 4 x Conv2D(32) on 32x32x16, 0.13 MB of gradients
+        shape = (32, 32, 16)
+        model = keras.Sequential([keras.Input(shape)] + [
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(4)] + [
+            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+        optimizer = keras.optimizers.SGD(0.01)
+    x = rng.standard_normal((batch * 4, *shape)).astype("float32")
+    y = rng.integers(0, 10, size=len(x)).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+    return model, ds, batch, {
+        "optimizer": optimizer,
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+
+
+def _worker(config: dict, out: str) -> None:
+    import numpy as np
+
+    import tfdist
+    from experiments.bench_comm import _pin, _tcp_bytes_sent
+    from tfdist import sync as sync_lib
+
+    task_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    core = _pin(task_id)
+    tfdist.configure_threads(intra_op=1, inter_op=1)
+    tf = tfdist._tf.import_tensorflow()
+    import keras
+
+    strategy = tfdist.make_strategy("multi_worker_mirrored", join_timeout=300,
+                                    **METHODS[config["method"]])
+    workers = strategy.num_replicas_in_sync
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model, ds, batch, compile_args = _model_and_data(config["model"], workers, keras, np, tf)
+        model.compile(**compile_args)
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.ends = []
+
+        def on_train_batch_end(self, batch_index, logs=None):
+            float(logs["loss"])  # the step's result is here
+            self.ends.append(time.perf_counter())
+
+    def time_steps(steps: int) -> float:
+        clock = Clock()
+        model.fit(ds, epochs=1, steps_per_epoch=steps + 1, verbose=0, callbacks=[clock])
+        return statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:]))
+
+    steps = config["steps"]
+    model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace, warm up
+    sent_before = _tcp_bytes_sent(os.getpid())
+    step = time_steps(steps)
+    sent = (_tcp_bytes_sent(os.getpid()) - sent_before) / (steps + 1)
+    result = {"workers": workers, "step_seconds": step, "samples_per_second": batch / step,
+              "wire_bytes_per_step": sent, "core": core, "global_batch": batch,
+              "params": int(model.count_params()),
+              "shapes": [list(v.shape) for v in model.trainable_variables]}
+
+    sync = sync_lib.gradient_sync(strategy)
+
+    class KeepLocal(sync_lib.GradientSync):
+        """No communication: each worker applies its own gradients (timing only)."""
+
+        def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
+            return list(grads_and_vars)
+
+    sync_lib.set_gradient_sync(strategy, KeepLocal())
+    model.make_train_function(force=True)
+    model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+    result["compute_seconds"] = time_steps(steps)
+    sync_lib.set_gradient_sync(strategy, sync)
+    variables = [v.value for v in model.trainable_variables]
+
+    def keras_all_reduce(grads_and_vars):
+        # What Keras's optimizer does without tfdist's sync: one all-reduce of every gradient.
+        grads = [g for g, _ in grads_and_vars]
+        summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+        return list(zip(summed, [v for _, v in grads_and_vars]))
+
+    @tf.function
+    def exchange():
+        def replica_fn():
+            pairs = [(tf.ones_like(v) * 1e-3, v) for v in variables]
+            return tf.add_n([tf.reduce_sum(g) for g, _ in sync.reduce(
+                model.optimizer, pairs, keras_all_reduce)])
+
+        return strategy.run(replica_fn)
+
+    def timed(fn, repeats: int) -> float:
+        fn()  # trace
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            strategy.experimental_local_results(fn())[0].numpy()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    result["comm_seconds"] = timed(exchange, max(3, steps // 2))
+    if config.get("calibrate"):
+        result["calibration"] = _calibrate(tf, strategy, config["calibrate"])
+    if task_id == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def _calibrate(tf, strategy, repeats: int) -> list[list[float]]:
+    """[[bytes, median seconds]] of one float32 all-reduce of each CALIBRATION_SIZES size."""
+    def make(elements: int):
+        @tf.function
+        def step():
+            def replica_fn():
+                value = tf.ones([elements], tf.float32)
+                return tf.distribute.get_replica_context().all_reduce("SUM", value)[0]
+
+            return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+
+        return step
+
+    barrier = make(1)
+    steps = {size: make(size // 4) for size in CALIBRATION_SIZES}
+    for step in [barrier, *steps.values()]:
+        step().numpy()  # trace, warm the collective's buffers
+    seconds = {size: [] for size in steps}
+    for _ in range(repeats):  # sizes interleaved: load drift hits all alike
+        for size, step in steps.items():
+            barrier().numpy()  # every worker starts the timed all-reduce together
+            start = time.perf_counter()
+            step().numpy()
+            seconds[size].append(time.perf_counter() - start)
+    return [[size, statistics.median(values)] for size, values in seconds.items()]
+
+
+# --- parent (no TensorFlow) ----------------------------------------------------------------
+
+
+def _run_workers(lab, config: dict, port: int) -> dict:
+    """One worker per node, fresh processes; worker 0's result. The processes end here."""
+    cluster = {"worker": [f"{lab.address(k)}:{port}" for k in range(lab.nodes)]}
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    what = f"{lab.nodes} nodes, {config['model']}, {config['method']}"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        procs = []
+        try:
+            for k in range(lab.nodes):
+                procs.append(lab.popen(k, [
+                    sys.executable, "-m", "experiments.bench_cluster",
+                    f"--role={json.dumps(config)}", f"--worker_out={out}"], cwd=ROOT, text=True,
+                    env=dict(env, TF_CONFIG=json.dumps(
+                        {"cluster": cluster, "task": {"type": "worker", "index": k}})),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            outputs = []
+            deadline = time.monotonic() + WORKER_TIMEOUT
+            for p in procs:
+                outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"bench_cluster: the workers ({what}) did not finish in "
+                               f"{WORKER_TIMEOUT} s") from e
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        for p, text in zip(procs, outputs):
+            if p.returncode != 0:
+                tail = "\n".join(text.strip().splitlines()[-20:])
+                raise RuntimeError(f"bench_cluster: a worker ({what}) exited with "
+                                   f"{p.returncode}:\n{tail}")
+        if not os.path.exists(out):
+            raise RuntimeError(f"bench_cluster: worker 0 ({what}) wrote no result:\n"
+                               + outputs[0][-2000:])
+        with open(out) as f:
+            return json.load(f)
+
+
+def _predict(result: dict, method: str, nodes: int, link) -> dict:
+    from tfdist import planning
+
+    kwargs = dict(shapes=[tuple(s) for s in result["shapes"]], num_replicas=nodes, link=link,
+                  compute_seconds=result["compute_seconds"], rank=POWERSGD_RANK)
+    by_method = {c.compression: c for c in planning.candidates(**kwargs)}
+    choice, reason = planning.recommend(**kwargs)
+    predicted = by_method[METHODS[method].get("gradient_compression", "none")]
+    return {"predicted_step": predicted.step_seconds,
+            "predicted_wire": planning.ring_allreduce_bytes_per_rank(predicted.wire_bytes, nodes),
+            "predicted_comm": predicted.comm_seconds, "recommendation": choice,
+            "reason": reason}
+
+
+def hidden_share(r: dict) -> float:
+    """(compute + exchange - step) / exchange, clipped to [0, 1]."""
+    if r["comm_seconds"] <= 0:
+        return 0.0
+    return max(0.0, min(1.0, (r["compute_seconds"] + r["comm_seconds"] - r["step_seconds"])
+                        / r["comm_seconds"]))
+
+
+def _method_of(compression: str, measured: dict) -> str | None:
+    """The measured method that runs `compression` without buckets, if one was measured."""
+    return next((m for m in measured if "bucket_bytes" not in METHODS[m]
+                 and METHODS[m].get("gradient_compression", "none") == compression), None)
+
+
+def run(nodes, rates, models, methods, *, steps: int, log=print, on_lab=None) -> list[dict]:
+    """Rows per configuration and the targets (see the module docstring).
+
+    `on_lab(lab)` is called once each lab's namespaces exist (tests read their identities).
+    """
+    from experiments.netlab import NetLab
+    from experiments.rows import row
+    from tfdist import planning
+
+    check_arguments(nodes, rates, models, methods, steps)
+    measured: dict[tuple, dict] = {}
+    links: dict[tuple, dict] = {}
+    loads = [os.getloadavg()[0]]
+    port = 47100
+    for n in nodes:
+        with NetLab(n) as lab:
+            if on_lab is not None:
+                on_lab(lab)
+            for rate in rates:
+                lab.set_rate(rate * 1e9 * RATE_SCALE)
+                probe = lab.probe(pings=50, total_bytes=int(min(16 << 20,
+                                                                rate * 1e9 * RATE_SCALE / 16)))
+                link = None
+                for model in models:
+                    for method in methods:
+                        port += 1  # a fresh port: the last run's may still be in TIME_WAIT
+                        config = {"model": model, "method": method, "steps": steps,
+                                  "calibrate": 0 if link else max(3, steps // 2)}
+                        result = _run_workers(lab, config, port)
+                        if link is None:
+                            points = result["calibration"]
+                            link = planning.fit_alpha_beta(points, n)
+                            links[(n, rate)] = {"probe": probe, "points": points, "link": link}
+                            log(f"{n} nodes, {rate:g} Gbit/s-eq ({rate * RATE_SCALE * 1e3:g} "
+                                f"Mbit/s): one TCP stream {probe['bytes_per_second'] * 8 / 1e6:.0f}"
+                                f" Mbit/s, RTT {probe['rtt_seconds'] * 1e6:.0f} us; all-reduce "
+                                f"alpha {link.latency * 1e3:.2f} ms, "
+                                f"{link.bandwidth / 1e6:.2f} MB/s")
+                        result.update(_predict(result, method, n, link))
+                        measured[(n, rate, model, method)] = result
+                        loads.append(os.getloadavg()[0])
+                        log(f"  {model} {method}: step {result['step_seconds'] * 1e3:.1f} ms "
+                            f"(predicted {result['predicted_step'] * 1e3:.1f}), compute "
+                            f"{result['compute_seconds'] * 1e3:.1f} ms, exchange "
+                            f"{result['comm_seconds'] * 1e3:.1f} ms, wire "
+                            f"{result['wire_bytes_per_step'] / 1e6:.3f} MB, hidden "
+                            f"{hidden_share(result):.2f}")
+    load = (f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+    return _rows(measured, links, load, steps, row)
+
+
+def _rows(measured: dict, links: dict, load: str, steps: int, row) -> list[dict]:
+    rows = []
+    for (n, rate, model, method), r in measured.items():
+        lk = links[(n, rate)]
+        group = {k[3]: v for k, v in measured.items() if k[:3] == (n, rate, model)}
+        fastest = min(group, key=lambda m: group[m]["step_seconds"])
+        name = f"cluster/{n} nodes/{rate:g} Gbit/s-eq/{model}/{method}"
+        setup = (f"{n} nodes x 1 worker (1 intra + 1 inter-op thread, pinned to core k mod "
+                 f"{os.cpu_count()}), {r['params']:,} params, global batch {r['global_batch']}; "
+                 f"link {rate * RATE_SCALE * 1e3:g} Mbit/s each way (tc HTB, {rate:g} Gbit/s x "
+                 f"{RATE_SCALE:g}; one TCP stream {lk['probe']['bytes_per_second'] * 8 / 1e6:.0f}"
+                 f" Mbit/s, RTT {lk['probe']['rtt_seconds'] * 1e6:.0f} us; all-reduce alpha "
+                 f"{lk['link'].latency * 1e3:.2f} ms, {lk['link'].bandwidth / 1e6:.2f} MB/s); "
+                 f"median of {steps} steps; {load}")
+        rows.append(row(f"{name}: step", r["step_seconds"] * 1e3, "ms",
+                        f"{r['samples_per_second']:,.0f} samples/s; compute-only "
+                        f"{r['compute_seconds'] * 1e3:.1f} ms, exchange alone "
+                        f"{r['comm_seconds'] * 1e3:.1f} ms; fastest measured here: {fastest}; "
+                        + setup))
+        rows.append(row(f"{name}: wire", r["wire_bytes_per_step"] / 1e6, "MB/step",
+                        f"worker 0's TCP bytes_sent per step (ss -ti, heartbeats included); "
+                        f"alpha-beta: a ring all-reduce sends {r['predicted_wire'] / 1e6:.3f} MB "
+                        f"per rank"))
+        rows.append(row(f"{name}: hidden", hidden_share(r), "fraction",
+                        "(compute + exchange - step) / exchange"))
+        rows.append(row(f"{name}: predicted/measured", r["predicted_step"] / r["step_seconds"],
+                        "x", f"planner predicts {r['predicted_step'] * 1e3:.1f} ms (compute "
+                        f"{r['compute_seconds'] * 1e3:.1f} + exchange "
+                        f"{r['predicted_comm'] * 1e3:.1f} ms, no overlap"
+                        + (", buckets costed as none" if method == "buckets" else "")
+                        + f"); recommends {r['recommendation']}: {r['reason']}"))
+    rows += _target_rows(measured, row)
+    return rows
+
+
+def _target_rows(measured: dict, row) -> list[dict]:
+    rows = []
+    for (n, rate, model, method), r in measured.items():
+        if rate != 1:
+            continue
+        where = f"{model}, {n} nodes, 1 Gbit/s-eq"
+        plain = measured.get((n, rate, model, "none"))
+        if method == "powersgd" and plain:
+            rows.append(row(f"cluster target: powersgd / none step rate, {where}",
+                            plain["step_seconds"] / r["step_seconds"], "x",
+                            f"none {plain['step_seconds'] * 1e3:.1f} ms, powersgd "
+                            f"{r['step_seconds'] * 1e3:.1f} ms per step, same link",
+                            target=POWERSGD_SPEEDUP_TARGET))
+        if method == "buckets":
+            rows.append(row(f"cluster target: exchange hidden with buckets, {where}",
+                            hidden_share(r), "fraction",
+                            f"step {r['step_seconds'] * 1e3:.1f}, compute-only "
+                            f"{r['compute_seconds'] * 1e3:.1f}, exchange alone "
+                            f"{r['comm_seconds'] * 1e3:.1f} ms; bucket_bytes {BUCKET_BYTES}",
+                            target=HIDDEN_TARGET))
+    if measured:
+        errors = {k: r["predicted_step"] / r["step_seconds"] - 1 for k, r in measured.items()}
+        within = sum(abs(e) <= PREDICTION_TOLERANCE for e in errors.values())
+        worst = max(errors, key=lambda k: abs(errors[k]))
+        rows.append(row("cluster target: configurations predicted within +-30%",
+                        within / len(errors), "fraction",
+                        f"{within}/{len(errors)}; worst {'/'.join(map(str, worst))} "
+                        f"{errors[worst]:+.0%}", target=1.0))
+    for group in sorted({k[:3] for k in measured}):
+        same = {k[3]: v for k, v in measured.items() if k[:3] == group}
+        best = min(same, key=lambda m: same[m]["step_seconds"])
+        rec = next(iter(same.values()))["recommendation"]
+        chosen = _method_of(rec, same)
+        where = f"{group[2]}, {group[0]} nodes, {group[1]:g} Gbit/s-eq"
+        if chosen is None:
+            rows.append(row(f"cluster target: recommendation fastest or within 10%, {where}",
+                            float("nan"), "-", f"the planner recommends {rec}, not measured"))
+            continue
+        ratio = same[chosen]["step_seconds"] / same[best]["step_seconds"]
+        rows.append(row(f"cluster target: recommendation fastest or within 10%, {where}",
+                        ratio, "x of fastest",
+                        f"recommends {rec} ({same[chosen]['step_seconds'] * 1e3:.1f} ms), fastest "
+                        f"measured {best} ({same[best]['step_seconds'] * 1e3:.1f} ms): "
+                        + ("met" if ratio <= 1 + RECOMMENDATION_TOLERANCE else "missed")))
+    return rows
+
+
+def main(argv):
+    del argv
+    if FLAGS.role:
+        return _worker(json.loads(FLAGS.role), FLAGS.worker_out)
+    from experiments.netlab import NetLab
+    from experiments.rows import print_rows, write_rows
+
+    nodes = [int(n) for n in FLAGS.nodes]
+    rates = [float(r) for r in FLAGS.rates]
+    check_arguments(nodes, rates, FLAGS.models, FLAGS.methods, FLAGS.steps)
+    problem = NetLab.available()
+    if problem:
+        print(f"bench_cluster: cannot build the simulated nodes here: {problem}", file=sys.stderr)
+        return 1
+    rows = run(nodes, rates, FLAGS.models, FLAGS.methods, steps=FLAGS.steps)
+    print_rows(rows)
+    if FLAGS.out:
+        write_rows(FLAGS.out, rows, command="python -m experiments.bench_cluster " + " ".join(
+            sys.argv[1:]), rate_scale=RATE_SCALE)
+    return 0
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)
