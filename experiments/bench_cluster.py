@@ -17,8 +17,8 @@ a node here is one core, a real node is taken to be 16 such cores (the
 shaped to R/16 here and communication takes the same share of a step as it
 would there: 1 Gbit/s-equivalent -> 62.5 Mbit/s, 10 -> 625 Mbit/s.
 
-For every nodes x rate x model x method (none; `buckets`: `bucket_bytes`
-1 MiB; fp16; bf16; powersgd rank 4, no warm-up), one fresh set of worker
+For every nodes x rate x model x method (none; `buckets`: `--bucket_bytes`,
+default 1 MiB; fp16; bf16; powersgd rank 4, no warm-up), one fresh set of worker
 processes measures:
 - the training step (`model.fit`, median of the per-step wall times on
   worker 0) and samples/s;
@@ -81,6 +81,7 @@ def _define_flags() -> None:
     flags.DEFINE_list("models", ["mlp"], "Models: " + ", ".join(MODELS))
     flags.DEFINE_list("methods", list(METHODS), "Methods: " + ", ".join(METHODS))
     flags.DEFINE_integer("steps", 8, "Timed steps per measurement (median kept).")
+    flags.DEFINE_integer("bucket_bytes", BUCKET_BYTES, "bucket_bytes of the `buckets` method.")
     flags.DEFINE_string("out", "results/bench_cluster.json", "Where to write the rows (JSON).")
     flags.DEFINE_string("role", None, "Internal: run as a worker with this JSON config.")
     flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
@@ -89,7 +90,8 @@ def _define_flags() -> None:
 FLAGS = flags.FLAGS
 
 
-def check_arguments(nodes, rates, models, methods, steps: int) -> None:
+def check_arguments(nodes, rates, models, methods, steps: int,
+                    bucket_bytes: int = BUCKET_BYTES) -> None:
     """ValueError naming what was received when the arguments cannot run."""
     if not nodes or any(n < 2 for n in nodes):
         raise ValueError(f"--nodes must be node counts >= 2. Received: {list(nodes)}")
@@ -102,6 +104,8 @@ def check_arguments(nodes, rates, models, methods, steps: int) -> None:
                              f"Received: {','.join(given)!r}")
     if steps < 2:
         raise ValueError(f"--steps must be >= 2. Received: steps={steps}")
+    if bucket_bytes < 1:
+        raise ValueError(f"--bucket_bytes must be >= 1. Received: bucket_bytes={bucket_bytes}")
 
 
 # --- worker (inside a node's namespace) ----------------------------------------------------
@@ -145,7 +149,7 @@ def _worker(config: dict, out: str) -> None:
     import keras
 
     strategy = tfdist.make_strategy("multi_worker_mirrored", join_timeout=300,
-                                    **METHODS[config["method"]])
+                                    **config["options"])
     workers = strategy.num_replicas_in_sync
     with strategy.scope():
         keras.utils.set_random_seed(0)
@@ -321,8 +325,12 @@ def _method_of(compression: str, measured: dict) -> str | None:
                  and METHODS[m].get("gradient_compression", "none") == compression), None)
 
 
-def run(nodes, rates, models, methods, *, steps: int, log=print, on_lab=None) -> list[dict]:
+def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET_BYTES,
+        log=print, on_lab=None) -> list[dict]:
     """Rows per configuration and the targets (see the module docstring).
+
+    A configuration whose workers fail gets a "failed" row with their last output; the
+    others are still measured.
 
     `on_lab(lab)` is called once each lab's namespaces exist (tests read their identities).
     """
@@ -330,8 +338,9 @@ def run(nodes, rates, models, methods, *, steps: int, log=print, on_lab=None) ->
     from experiments.rows import row
     from tfdist import planning
 
-    check_arguments(nodes, rates, models, methods, steps)
+    check_arguments(nodes, rates, models, methods, steps, bucket_bytes)
     measured: dict[tuple, dict] = {}
+    failed: dict[tuple, str] = {}
     links: dict[tuple, dict] = {}
     loads = [os.getloadavg()[0]]
     port = 47100
@@ -347,9 +356,18 @@ def run(nodes, rates, models, methods, *, steps: int, log=print, on_lab=None) ->
                 for model in models:
                     for method in methods:
                         port += 1  # a fresh port: the last run's may still be in TIME_WAIT
-                        config = {"model": model, "method": method, "steps": steps,
+                        options = dict(METHODS[method])
+                        if "bucket_bytes" in options:
+                            options["bucket_bytes"] = bucket_bytes
+                        config = {"model": model, "method": method, "options": options,
+                                  "steps": steps,
                                   "calibrate": 0 if link else max(3, steps // 2)}
-                        result = _run_workers(lab, config, port)
+                        try:
+                            result = _run_workers(lab, config, port)
+                        except RuntimeError as e:  # the other configurations still run
+                            failed[(n, rate, model, method)] = str(e)
+                            log(f"  {model} {method}: {e}")
+                            continue
                         if link is None:
                             points = result["calibration"]
                             link = planning.fit_alpha_beta(points, n)
@@ -369,10 +387,13 @@ def run(nodes, rates, models, methods, *, steps: int, log=print, on_lab=None) ->
                             f"{result['wire_bytes_per_step'] / 1e6:.3f} MB, hidden "
                             f"{hidden_share(result):.2f}")
     load = (f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
-    return _rows(measured, links, load, steps, row)
+    return [row(f"cluster/{n} nodes/{rate:g} Gbit/s-eq/{model}/{method}: failed", float("nan"),
+                "-", error) for (n, rate, model, method), error in failed.items()
+            ] + _rows(measured, links, load, steps, bucket_bytes, row)
 
 
-def _rows(measured: dict, links: dict, load: str, steps: int, row) -> list[dict]:
+def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
+          row) -> list[dict]:
     rows = []
     for (n, rate, model, method), r in measured.items():
         lk = links[(n, rate)]
@@ -401,13 +422,14 @@ def _rows(measured: dict, links: dict, load: str, steps: int, row) -> list[dict]
                         "x", f"planner predicts {r['predicted_step'] * 1e3:.1f} ms (compute "
                         f"{r['compute_seconds'] * 1e3:.1f} + exchange "
                         f"{r['predicted_comm'] * 1e3:.1f} ms, no overlap"
-                        + (", buckets costed as none" if method == "buckets" else "")
+                        + (f", buckets of {bucket_bytes} bytes costed as none"
+                           if method == "buckets" else "")
                         + f"); recommends {r['recommendation']}: {r['reason']}"))
-    rows += _target_rows(measured, row)
+    rows += _target_rows(measured, row, bucket_bytes)
     return rows
 
 
-def _target_rows(measured: dict, row) -> list[dict]:
+def _target_rows(measured: dict, row, bucket_bytes: int = BUCKET_BYTES) -> list[dict]:
     rows = []
     for (n, rate, model, method), r in measured.items():
         if rate != 1:
@@ -425,7 +447,7 @@ def _target_rows(measured: dict, row) -> list[dict]:
                             hidden_share(r), "fraction",
                             f"step {r['step_seconds'] * 1e3:.1f}, compute-only "
                             f"{r['compute_seconds'] * 1e3:.1f}, exchange alone "
-                            f"{r['comm_seconds'] * 1e3:.1f} ms; bucket_bytes {BUCKET_BYTES}",
+                            f"{r['comm_seconds'] * 1e3:.1f} ms; bucket_bytes {bucket_bytes}",
                             target=HIDDEN_TARGET))
     if measured:
         errors = {k: r["predicted_step"] / r["step_seconds"] - 1 for k, r in measured.items()}
@@ -463,12 +485,13 @@ def main(argv):
 
     nodes = [int(n) for n in FLAGS.nodes]
     rates = [float(r) for r in FLAGS.rates]
-    check_arguments(nodes, rates, FLAGS.models, FLAGS.methods, FLAGS.steps)
+    check_arguments(nodes, rates, FLAGS.models, FLAGS.methods, FLAGS.steps, FLAGS.bucket_bytes)
     problem = NetLab.available()
     if problem:
         print(f"bench_cluster: cannot build the simulated nodes here: {problem}", file=sys.stderr)
         return 1
-    rows = run(nodes, rates, FLAGS.models, FLAGS.methods, steps=FLAGS.steps)
+    rows = run(nodes, rates, FLAGS.models, FLAGS.methods, steps=FLAGS.steps,
+               bucket_bytes=FLAGS.bucket_bytes)
     print_rows(rows)
     if FLAGS.out:
         write_rows(FLAGS.out, rows, command="python -m experiments.bench_cluster " + " ".join(

@@ -8,6 +8,7 @@ import glob
 import math
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -60,7 +61,8 @@ def test_bad_arguments_name_what_was_received():
                                      r"Received: 'resnet'"),
             ({"methods": ["none", "gzip"]}, r"--methods must name one or more of none, "
                                             r"buckets.*Received: 'none,gzip'"),
-            ({"steps": 1}, r"--steps must be >= 2. Received: steps=1")):
+            ({"steps": 1}, r"--steps must be >= 2. Received: steps=1"),
+            ({"bucket_bytes": 0}, r"--bucket_bytes must be >= 1. Received: bucket_bytes=0")):
         with pytest.raises(ValueError, match=message):
             bench_cluster.check_arguments(**{**ok, **change})
 
@@ -119,3 +121,48 @@ def test_smallest_configuration_runs_on_simulated_nodes_and_cleans_up():
     assert 0.08 < wire["value"] < 0.5, wire
     assert "62.5 Mbit/s each way" in by_name[f"{name}: step"]["note"]
     assert "recommendation fastest or within 10%, mlp, 2 nodes, 1 Gbit/s-eq" in " ".join(by_name)
+
+
+def test_a_failed_configuration_gets_its_row_and_the_others_still_run(monkeypatch):
+    """run() with the worker processes replaced: one method fails, the next calibrates."""
+    refused = _namespaces_refused()
+    if refused:
+        pytest.skip(f"simulated nodes: {refused}")
+    shapes = [[784, 1024], [1024], [1024, 10], [10]]
+    calls = []
+
+    def fake_workers(lab, config, port):
+        calls.append(config)
+        if config["method"] == "fp16":
+            raise RuntimeError("bench_cluster: a worker exited with 1:\nout of memory")
+        return {"step_seconds": 0.5, "compute_seconds": 0.05, "comm_seconds": 0.5,
+                "wire_bytes_per_step": 3.3e6, "samples_per_second": 256.0, "params": 814090,
+                "global_batch": 128, "shapes": shapes,
+                "calibration": [[16 << 10, 0.004], [1 << 20, 0.13], [4 << 20, 0.52]]}
+
+    monkeypatch.setattr(bench_cluster, "_run_workers", fake_workers)
+    rows = bench_cluster.run([2], [1.0], ["mlp"], ["fp16", "none"], steps=2,
+                             log=lambda *a: None)
+    by_name = {r["name"]: r for r in rows}
+    failed = by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/fp16: failed"]
+    assert math.isnan(failed["value"]) and "out of memory" in failed["note"]
+    # fp16 was to calibrate the link; it failed, so none did.
+    assert [bool(c["calibrate"]) for c in calls] == [True, True]
+    step = by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/none: step"]
+    assert step["value"] == pytest.approx(500.0)
+    # The fitted link moves ~8 MB/s, so the 3.3 MB exchange is predicted near 0.4 s + 0.05 s.
+    ratio = by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/none: predicted/measured"]["value"]
+    assert 0.7 < ratio < 1.1, ratio
+    assert not _bench_workers()
+
+
+def test_leftover_workers_would_be_seen():
+    """Negative control of the clean-up checks: a live process that looks like a worker."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                             "experiments.bench_cluster", "--role={}"])
+    try:
+        assert proc.pid in _bench_workers()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.pid not in _bench_workers()
