@@ -1,17 +1,37 @@
-"""Multi-worker numbers: all-reduce over loopback, and 2-worker scaling.
+"""Multi-worker numbers: all-reduce over loopback, and scaling with the worker count.
 
     python -m experiments.bench_multiworker [--quick] [--out results/bench_multiworker.json]
+    python -m experiments.bench_multiworker --scaling_only --models=tiny \
+        --workers=1,2,4,8,16 [--rounds=3]
 
 1. All-reduce between 2 local worker processes (MultiWorkerMirroredStrategy,
    ring) for message sizes 1 KB ... 64 MB: median seconds per all-reduce,
    bus bandwidth 2(N-1)/N*K/t, next to raw loopback TCP throughput measured
    in the same run, and the alpha-beta fit T = alpha + K*beta. The raw
    (bytes, seconds) points are saved for the cost model's calibration.
-2. Scaling of a compute-heavy MLP: 2 workers x 1 intra-op thread vs 1 worker
-   x 1 thread, same per-worker batch (target >= 1.7x throughput).
+2. Scaling of a compute-bound convolutional model: 2 workers x 1 intra-op
+   thread vs 1 worker x 1 thread, same per-worker batch (target >= 1.7x
+   throughput).
+3. The scaling curve (`--scaling_only`, and the tiny model at 1, 2, 4 workers
+   in a full run): at each worker count N, the step time of
+   - tfdist: the multi_worker_mirrored preset, model.fit;
+   - tfdist_unpacked: the same with keras_log_reduction taken out (one
+     collective per log value);
+   - stock: tf.distribute.MultiWorkerMirroredStrategy with a custom training
+     loop of the same model (strategy.run, optimizer.apply_gradients,
+     strategy.reduce of the loss);
+   - control: N independent 1-worker processes at once, pinned as the
+     workers are (task k on core k mod cores), so they share the cores as
+     the N workers do, with no links between them.
+   Efficiency = the control's step time / the variant's. Worker 0 alone
+   profiles a few more steps and counts its collectives per step, in order:
+   TensorFlow 2.21's profiler can crash in tf.profiler.experimental.stop()
+   when several processes profile at once, so no other process profiles (of
+   the control's processes, only the first).
 
 Workers are started with tfdist's launcher; each runs this file with
---role=allreduce|scaling and worker 0 writes its measurements to a file.
+--role=allreduce|scaling and worker 0 writes its measurements to a file
+(the scaling role's other workers write theirs next to it).
 """
 
 from __future__ import annotations
@@ -20,21 +40,34 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 from experiments.rows import print_rows, row as _row, write_rows
-from experiments.workers import launch_workers
+from experiments.workers import ROOT, launch_workers
 from absl import app, flags
 
 
 def _define_flags() -> None:
     """Flags of this module as a program (not at import: experiments.benchmark and
     other bench modules import it, and define flags of the same names)."""
-    flags.DEFINE_bool("quick", False, "Fewer sizes and repeats (a smoke run).")
+    flags.DEFINE_bool("quick", False, "Fewer sizes, steps and repeats (a smoke run).")
     flags.DEFINE_string("out", "results/bench_multiworker.json", "Where to write the JSON.")
     flags.DEFINE_enum("role", None, ["allreduce", "scaling"], "Internal: run as a launched worker.")
     flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
+    flags.DEFINE_string("config", "{}", "Internal: the scaling worker's JSON configuration.")
+    flags.DEFINE_bool("scaling_only", False, "Only the scaling curve (no all-reduce sizes, "
+                      "no conv 2-worker rows unless --models names conv).")
+    flags.DEFINE_list("workers", None, "Worker counts of the scaling curve, e.g. 1,2,4,8,16 "
+                      "(default 1,2,4,8; with --quick 1,2).")
+    flags.DEFINE_list("models", ["tiny"], "Models of the scaling curve: tiny (Dense(10) on 8 "
+                      "features, 8 examples per worker: a step of nil compute, all overhead) "
+                      "and/or conv (the compute-bound model of the 2-worker rows).")
+    flags.DEFINE_integer("rounds", None, "Interleaved rounds of the scaling curve; each "
+                         "figure is the median (default 3, 1 with --quick).")
 
 
 FLAGS = flags.FLAGS
@@ -49,7 +82,6 @@ SCALING_TARGET = 1.7
 PER_WORKER_BATCH = 64
 IMAGE = (32, 32, 16)
 FILTERS = 32
-
 
 # --- worker side (runs under `tfdist launch`) ----------------------------------------
 
@@ -97,55 +129,192 @@ def _allreduce_worker(quick: bool, out: str) -> None:
             json.dump({"points": points, "num_workers": strategy.num_replicas_in_sync}, f)
 
 
-def _scaling_worker(quick: bool, out: str) -> None:
+
+SCALING_VARIANTS = ("tfdist", "tfdist_unpacked", "stock", "control")
+VARIANT_NOTES = {
+    "tfdist": "tfdist multi_worker_mirrored preset, model.fit",
+    "tfdist_unpacked": "the same with keras_log_reduction taken out (one collective per "
+                       "log value)",
+    "stock": "stock tf.distribute.MultiWorkerMirroredStrategy, custom training loop "
+             "(strategy.run + optimizer.apply_gradients + strategy.reduce of the loss)",
+    "control": "N independent 1-worker processes at once (no links), pinned as the workers are",
+}
+# Per model: examples per worker, steps per timed epoch (quick, full), the input shape.
+SCALING_MODELS = {
+    # The compute-bound model of the 2-worker rows (~200 MFLOP per example, 128 KB of
+    # gradients).
+    "conv": {"per_worker_batch": PER_WORKER_BATCH, "steps": (5, 10), "input": IMAGE,
+             "describe": f"4x Conv2D({FILTERS}) on {IMAGE}"},
+    # All overhead: the step's compute is nil, so what a worker count adds is what the
+    # step costs beyond compute (collectives, their threads, the input pipeline).
+    "tiny": {"per_worker_batch": 8, "steps": (20, 50), "input": (8,),
+             "describe": "Dense(10) on 8 features"},
+}
+PROFILE_STEPS = 5
+SCALING_TIMEOUT = 1800  # seconds per launch (16 workers on 2 loaded cores start slowly)
+
+
+def _scaling_model(keras, name: str):
+    shape = SCALING_MODELS[name]["input"]
+    if name == "conv":
+        return keras.Sequential([keras.Input(shape)] + [
+            keras.layers.Conv2D(FILTERS, 3, padding="same", activation="relu")
+            for _ in range(4)] + [
+            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+    return keras.Sequential([keras.Input(shape), keras.layers.Dense(10)])
+
+
+def _collectives(trace_dir: str, steps: int) -> dict:
+    """Collectives per step on this worker and one step's of them in order, from a
+    profiler trace of `steps` whole steps."""
+    from tfdist.compat import profiler_trace
+
+    events = profiler_trace.timed_events(trace_dir, contains=":Collective")
+    per_step = len(events) / steps
+    one_step = events[:round(per_step)]
+    return {"collectives_per_step": per_step,
+            "collective_order": [_short_op_name(name) for name, _, _ in one_step],
+            "collective_names": [name for name, _, _ in one_step],
+            "collective_ms": [duration * 1e3 for _, _, duration in one_step]}
+
+
+def _short_op_name(name: str) -> str:
+    """'StatefulPartitionedCall/sgd/CollectiveReduceV2:CollectiveReduceV2' ->
+    'sgd/CollectiveReduceV2': the op's name scope (the optimizer's, 'sgd...', is the
+    gradients' all-reduce; a bare one the loss's or the logs')."""
+    op = name.split(":", 1)[0]
+    return op[len("StatefulPartitionedCall/"):] if op.startswith("StatefulPartitionedCall/") \
+        else op
+
+
+def _stop_profile(tf) -> None:
+    # The last step's result is back before its collective's trace event is recorded
+    # (the op is asynchronous): stopping at once lost that event in 1 of 2 stock runs.
+    time.sleep(0.5)
+    tf.profiler.experimental.stop()
+
+
+def _scaling_worker(config: dict, out: str) -> None:
     import numpy as np
 
     import tfdist
     from experiments.bench_comm import _pin
 
-    task_id = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
-    _pin(task_id)  # one core per worker, as the 1-worker baseline has one
+    variant, name, quick = config["variant"], config["model"], config["quick"]
+    if variant == "control":  # a 1-worker process of its own (no TF_CONFIG)
+        task_id = int(os.environ["BENCH_CONTROL_INDEX"])
+    else:
+        tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+        task_id = int(tf_config.get("task", {}).get("index", 0))
+    pinned = _pin(task_id)  # one core per worker, as the 1-worker baseline has one
     tfdist.configure_threads(intra_op=1, inter_op=1)
     tf = tfdist._tf.import_tensorflow()
     import keras
 
-    strategy = tfdist.make_strategy("multi_worker_mirrored")
+    if variant == "stock":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        strategy = tfdist.make_strategy("multi_worker_mirrored")
+    if variant == "tfdist_unpacked":
+        from tfdist.compat import keras_log_reduction
+
+        tfdist.compat.uninstall([keras_log_reduction.NAME])
     workers = strategy.num_replicas_in_sync
-    global_batch = PER_WORKER_BATCH * workers
+    spec = SCALING_MODELS[name]
+    global_batch = spec["per_worker_batch"] * workers
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((global_batch * 4, *IMAGE)).astype("float32")
-    y = rng.integers(0, 10, size=(global_batch * 4,))
+    x = rng.standard_normal((global_batch * 4, *spec["input"])).astype("float32")
+    y = rng.integers(0, 10, size=(global_batch * 4,)).astype("int32")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch)
+    steps = spec["steps"][0 if quick else 1]
+    epochs = 3 if quick else 5  # the first traces and is not timed
     with strategy.scope():
-        model = keras.Sequential([keras.Input(IMAGE)] + [
-            keras.layers.Conv2D(FILTERS, 3, padding="same", activation="relu")
-            for _ in range(4)] + [
-            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
-        model.compile(keras.optimizers.SGD(0.01),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    steps = 5 if quick else 10
-    epochs = 3 if quick else 6
+        keras.utils.set_random_seed(0)
+        model = _scaling_model(keras, name)
+        optimizer = keras.optimizers.SGD(0.01)
+    seconds, cpu = [], []
+    profile_dir = os.path.join(os.path.dirname(out), f"profile-{variant}-{workers}")
+    # One process profiles (worker 0; of the control's processes the first): with
+    # several profiling at once TensorFlow 2.21's profiler can crash in stop().
+    profiles = task_id == 0
 
-    class Timer(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.seconds = []
+    if variant == "stock":
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+        iterator = iter(strategy.experimental_distribute_dataset(ds))
 
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                per_example = loss_fn(yb, model(xb, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
 
-        def on_epoch_end(self, epoch, logs=None):
-            self.seconds.append(time.perf_counter() - self.start)
+        @tf.function
+        def train_step(it):
+            per_replica = strategy.run(replica_step, args=next(it))
+            return strategy.reduce("SUM", per_replica, axis=None)
 
-    timer = Timer()
-    model.fit(ds, epochs=epochs, steps_per_epoch=steps, callbacks=[timer], verbose=0,
-              shuffle=False)
-    step_seconds = statistics.median(timer.seconds[1:]) / steps  # epoch 0 traces
-    params = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
-    if tfdist.is_chief():
+        def run_steps(n):
+            for _ in range(n):
+                loss = train_step(iterator)
+            return float(loss)
+
+        run_steps(steps)  # traces, warms up
+        for _ in range(epochs - 1):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            run_steps(steps)
+            seconds.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+        if profiles:
+            tf.profiler.experimental.start(profile_dir)
+        run_steps(PROFILE_STEPS)
+        if profiles:
+            _stop_profile(tf)
+    else:
+        with strategy.scope():
+            model.compile(optimizer,
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+
+        class Timer(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.start, self.start_cpu = time.perf_counter(), time.process_time()
+
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch:  # epoch 0 traces
+                    seconds.append(time.perf_counter() - self.start)
+                    cpu.append(time.process_time() - self.start_cpu)
+
+        class Profile(keras.callbacks.Callback):
+            # Whole steps only (the second to the last): no tracing, no epoch end.
+            def on_train_batch_begin(self, batch, logs=None):
+                if profiles and batch == 1:
+                    tf.profiler.experimental.start(profile_dir)
+
+            def on_train_batch_end(self, batch, logs=None):
+                if profiles and batch == PROFILE_STEPS:
+                    _stop_profile(tf)
+
+        model.fit(ds, epochs=epochs, steps_per_epoch=steps, callbacks=[Timer()], verbose=0)
+        # Every worker runs these steps (their collectives pair up); worker 0 profiles them.
+        model.fit(ds, epochs=1, steps_per_epoch=PROFILE_STEPS + 1, verbose=0,
+                  callbacks=[Profile()])
+    step_seconds = statistics.median(seconds) / steps
+    result = {"workers": workers, "variant": variant, "model": name, "task": task_id,
+              "pinned": pinned, "steps": steps, "timed_epochs": len(seconds),
+              "step_seconds": step_seconds, "samples_per_sec": global_batch / step_seconds,
+              "cpu_seconds_per_step": statistics.median(cpu) / steps,
+              "threads": len(os.listdir("/proc/self/task")),
+              "gradient_bytes": 4 * sum(int(np.prod(w.shape))
+                                        for w in model.trainable_weights)}
+    if profiles:
+        result.update(_collectives(profile_dir, PROFILE_STEPS))
         with open(out, "w") as f:
-            json.dump({"workers": workers, "step_seconds": step_seconds,
-                       "samples_per_sec": global_batch / step_seconds,
-                       "gradient_bytes": 4 * params}, f)
+            json.dump(result, f)
+    else:
+        with open(f"{out}.task{task_id}", "w") as f:
+            json.dump(result, f)
 
 
 # --- parent side -----------------------------------------------------------------------
@@ -155,6 +324,239 @@ def _launch_role(role: str, num_workers: int, quick: bool) -> dict:
     return launch_workers("experiments.bench_multiworker", role, num_workers=num_workers,
                           timeout=900, extra_args=("--quick",) if quick else (), what=role,
                           tail_lines=30)
+
+
+def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool) -> dict:
+    """One point of the scaling curve: worker 0's result ({"step_seconds", ...}, with its
+    collectives), every task's under "tasks" (task order) and "step_seconds" the tasks'
+    mean step."""
+    config = json.dumps({"model": model, "variant": variant, "quick": quick})
+    if variant != "control":
+        first = launch_workers("experiments.bench_multiworker", "scaling",
+                               num_workers=num_workers, timeout=SCALING_TIMEOUT,
+                               what=f"scaling {model} {variant} x{num_workers}",
+                               extra_args=(f"--config={config}",), tail_lines=30,
+                               every_task=True)
+        results = [first] + first.pop("tasks")
+    else:
+        results = _run_control(config, num_workers)
+    first = dict(results[0])
+    if len(results) != num_workers:
+        raise RuntimeError(f"scaling {model} {variant} x{num_workers}: {len(results)} of "
+                           f"{num_workers} tasks wrote a result")
+    # Synchronous workers step together; the control's processes do not, so their mean.
+    first["worker0_step_seconds"] = first["step_seconds"]
+    first["step_seconds"] = statistics.mean(r["step_seconds"] for r in results)
+    first["cpu_seconds_per_step"] = statistics.mean(r["cpu_seconds_per_step"] for r in results)
+    first["samples_per_sec"] = sum(SCALING_MODELS[model]["per_worker_batch"] / r["step_seconds"]
+                                   for r in results)
+    first["tasks"] = results
+    return first
+
+
+def _run_control(config: str, num_workers: int) -> list[dict]:
+    """N unrelated 1-worker processes at once (no TF_CONFIG), pinned as the workers are, so
+    they share the cores as the N workers do -> their results, in index order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        procs, logs = [], []
+        try:
+            for k in range(num_workers):
+                logs.append(open(os.path.join(tmp, f"control{k}.log"), "w+"))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "experiments.bench_multiworker", "--role=scaling",
+                     f"--worker_out={out}", f"--config={config}"],
+                    env=dict(env, BENCH_CONTROL_INDEX=str(k)), cwd=ROOT,
+                    stdout=logs[-1], stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + SCALING_TIMEOUT
+            for p in procs:
+                try:
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        results = []
+        for k, (p, log) in enumerate(zip(procs, logs)):
+            path = out if k == 0 else f"{out}.task{k}"
+            if p.returncode != 0 or not os.path.exists(path):
+                log.seek(0)
+                tail = "\n".join(log.read().strip().splitlines()[-20:])
+                for f in logs:
+                    f.close()
+                raise RuntimeError(f"scaling control process {k} of {num_workers} failed "
+                                   f"(exit {p.returncode}):\n{tail}")
+            with open(path) as f:
+                results.append(json.load(f))
+        for f in logs:
+            f.close()
+    return results
+
+
+def scaling_curve(models: list[str], workers: list[int], *, rounds: int, quick: bool,
+                  variants: tuple[str, ...] = SCALING_VARIANTS, log=print) -> dict:
+    """{model: {variant: {N: [result per round]}}}, every configuration once per round.
+
+    At N = 1 only tfdist and stock run (the control is the 1-worker tfdist run; with
+    one worker keras_log_reduction passes through). The order of the variants rotates
+    from round to round, so no variant always runs first.
+    """
+    curve = {m: {v: {n: [] for n in workers} for v in variants} for m in models}
+    for r in range(rounds):
+        for model in models:
+            for n in workers:
+                chosen = [v for v in variants if n > 1 or v in ("tfdist", "stock")]
+                k = r % len(chosen)
+                for variant in chosen[k:] + chosen[:k]:
+                    result = _launch_scaling(model, variant, n, quick)
+                    curve[model][variant][n].append(result)
+                    log(f"scaling round {r + 1}/{rounds} {model} N={n} {variant}: "
+                        f"{result['step_seconds'] * 1e3:.1f} ms/step, "
+                        f"{result.get('collectives_per_step', float('nan')):.1f} "
+                        "collectives/step on worker 0", flush=True)
+    return curve
+
+
+def _median_result(results: list[dict]) -> dict:
+    ordered = sorted(results, key=lambda d: d["step_seconds"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def scaling_table(curve: dict) -> dict:
+    """{model: {N: {"step_ms": {variant: ms}, "efficiency": {variant: x},
+    "collectives": {variant: (per step, [names in order])}, ...}}} from the medians.
+
+    Efficiency at N workers = the control's step time / the variant's step time,
+    the control being N independent 1-worker processes run at once on the same
+    cores, pinned the same way (at N = 1: the 1-worker tfdist run). The `vs_1`
+    figure is the variant's own 1-worker step / its step at N (tfdist_unpacked's
+    1-worker step is tfdist's).
+    """
+    table = {}
+    for model, variants in curve.items():
+        counts = sorted(variants["tfdist"])
+        one = statistics.median(r["step_seconds"] for r in variants["tfdist"][counts[0]])
+        # Each variant's own 1-worker step (tfdist_unpacked is tfdist with one worker).
+        ones = {v: statistics.median(r["step_seconds"] for r in variants[v][counts[0]])
+                for v in variants if variants[v][counts[0]]}
+        ones.setdefault("tfdist_unpacked", one)
+        table[model] = {}
+        for n in counts:
+            med = {v: _median_result(variants[v][n]) for v in variants if variants[v][n]}
+            control = med["control"]["step_seconds"] if "control" in med else one
+            table[model][n] = {
+                "step_ms": {v: r["step_seconds"] * 1e3 for v, r in med.items()},
+                "control_ms": control * 1e3,
+                "efficiency": {v: control / r["step_seconds"] for v, r in med.items()
+                               if v != "control"},
+                "vs_1": {v: ones[v] / r["step_seconds"] for v, r in med.items()
+                         if v != "control"},
+                "cpu_ms": {v: r["cpu_seconds_per_step"] * 1e3 for v, r in med.items()},
+                "collectives": {v: (r["collectives_per_step"], r["collective_order"],
+                                    r["collective_ms"])
+                                for v, r in med.items() if "collectives_per_step" in r},
+                "threads": {v: r["threads"] for v, r in med.items()},
+                "rounds": {v: [x["step_seconds"] * 1e3 for x in variants[v][n]]
+                           for v in med}}
+    return table
+
+
+def _baseline_note(model: str, n: int) -> str:
+    cores = os.cpu_count()
+    spec = SCALING_MODELS[model]
+    control = ("the 1-worker tfdist run (1 process)" if n == 1 else
+               f"{n} independent 1-worker processes at once, no links")
+    return (f"{spec['describe']}, {spec['per_worker_batch']} examples per worker, SGD; CPU "
+            f"only, {cores} cores shared, load average {os.getloadavg()[0]:.1f}; every process "
+            f"1 intra-op/1 inter-op thread, pinned to core k mod {cores}; workers linked by "
+            f"gRPC over loopback (127.0.0.1); baseline (control): {control}, same threads "
+            "and pinning")
+
+
+def scaling_rows(curve: dict, *, rounds: int) -> list[dict]:
+    """One row per model, worker count and variant: its efficiency against the control."""
+    rows = []
+    for model, by_n in scaling_table(curve).items():
+        for n, t in by_n.items():
+            for variant, eff in t["efficiency"].items():
+                count, order, ms = t["collectives"].get(variant, (float("nan"), [], []))
+                order_text = ", ".join(f"{op} {d:.2f} ms" for op, d in zip(order, ms))
+                rows.append(_row(
+                    f"scaling_{model}_{n}workers_{variant}_efficiency", eff, "x",
+                    f"{VARIANT_NOTES[variant]}: step {t['step_ms'][variant]:.2f} ms vs control "
+                    f"{t['control_ms']:.2f} ms (median of {rounds} interleaved rounds: "
+                    + ", ".join(f"{x:.2f}" for x in t["rounds"][variant])
+                    + f" ms); vs its own 1-worker step {t['vs_1'][variant]:.2f}; worker 0 "
+                    f"{count:.1f} collectives per step [{order_text}], "
+                    f"{t['threads'][variant]} threads; " + _baseline_note(model, n)))
+    return rows
+
+
+def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
+                  variants: tuple[str, ...] = SCALING_VARIANTS) -> tuple[list[dict], dict]:
+    """The scaling curve's rows and its table (see scaling_table)."""
+    workers = check_worker_counts(workers or ((1, 2) if quick else (1, 2, 4, 8)))
+    rounds = (1 if quick else 3) if rounds is None else rounds
+    unknown = [m for m in models if m not in SCALING_MODELS]
+    if unknown or not models:
+        raise ValueError(f"--models must name one or more of {', '.join(SCALING_MODELS)}. "
+                         f"Received: {','.join(models)!r}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1. Received: {rounds}")
+    curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants)
+    return scaling_rows(curve, rounds=rounds), curve
+
+
+def check_worker_counts(workers) -> list[int]:
+    """Sorted distinct worker counts, including 1 (the curve's 1-worker point).
+
+    Raises:
+      ValueError: a count that is not a positive integer, with what was received.
+    """
+    try:
+        counts = sorted({int(n) for n in workers})
+    except (TypeError, ValueError):
+        counts = None
+    if not counts or counts[0] < 1:
+        raise ValueError("--workers must be positive integers, e.g. --workers=1,2,4,8. "
+                         f"Received: {','.join(str(n) for n in workers)!r}")
+    return counts if counts[0] == 1 else [1] + counts
+
+
+def two_vs_one_rows(curve: dict, fit: tuple[float, float] | None = None) -> list[dict]:
+    """The conv model's 2-worker rows (against the 1.7x target) from the curve's tfdist
+    runs at 1 and 2 workers, round by round."""
+    ones, twos = curve["conv"]["tfdist"][1], curve["conv"]["tfdist"][2]
+    speedups = [b["samples_per_sec"] / a["samples_per_sec"] for a, b in zip(ones, twos)]
+    speedup = statistics.median(speedups)
+    mid = sorted(range(len(speedups)), key=speedups.__getitem__)[(len(speedups) - 1) // 2]
+    one, two = ones[mid], twos[mid]
+    rows = [
+        _row("scaling_1worker_samples_per_sec", one["samples_per_sec"], "samples/s",
+             f"1 worker x 1 thread (intra 1, inter 1, pinned to one core), batch "
+             f"{PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}; CPU only"),
+        _row("scaling_2workers_samples_per_sec", two["samples_per_sec"], "samples/s",
+             f"2 workers x 1 thread (intra 1, inter 1), each pinned to its own core, "
+             f"{PER_WORKER_BATCH} per worker; gRPC over loopback (127.0.0.1)")]
+    comm = (f"; all-reduce of {two['gradient_bytes'] / MB:.1f} MB gradients predicted "
+            f"{(fit[0] + two['gradient_bytes'] * fit[1]) * 1e3:.1f} ms by the fit"
+            if fit else "")
+    collectives = ", ".join(f"{op} {d:.1f} ms" for op, d in
+                            zip(two.get("collective_order", []), two.get("collective_ms", [])))
+    rows.append(_row(
+        "scaling_2workers_vs_1", speedup, "x",
+        f"median of {len(speedups)} interleaved rounds "
+        f"({', '.join(f'{x:.2f}' for x in sorted(speedups))}); baseline 1 worker x 1 thread "
+        f"on one core (CPU); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
+        f"cores; step {one['step_seconds'] * 1e3:.1f} ms -> {two['step_seconds'] * 1e3:.1f} "
+        f"ms; worker 0's collectives per step [{collectives}]" + comm,
+        target=SCALING_TARGET))
+    return rows
 
 
 def loopback_tcp_bytes_per_sec(total_bytes: int = 256 * MB, chunk: int = MB) -> float:
@@ -205,9 +607,6 @@ def alpha_beta_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return float(alpha), float(beta)
 
 
-
-
-
 def run(quick: bool) -> list[dict]:
     """Benchmark rows (see the module docstring); the raw points are in row notes/JSON."""
     rows = []
@@ -231,31 +630,50 @@ def run(quick: bool) -> list[dict]:
                      "GB/s", f"fit T = alpha + K*beta; raw TCP {tcp / 1e9:.2f} GB/s"))
     # Interleaved rounds (1 worker, 2 workers, ...) and medians: one pair of
     # short runs swings by +-30% on a shared 2-core machine.
-    rounds = [(_launch_role("scaling", 1, quick), _launch_role("scaling", 2, quick))
-              for _ in range(1 if quick else 3)]
-    speedups = sorted(two["samples_per_sec"] / one["samples_per_sec"] for one, two in rounds)
-    speedup = statistics.median(speedups)
-    one, two = rounds[[two["samples_per_sec"] / one["samples_per_sec"]
-                       for one, two in rounds].index(speedups[len(speedups) // 2])]
-    rows.append(_row("scaling_1worker_samples_per_sec", one["samples_per_sec"], "samples/s",
-                     f"1 worker x 1 thread (intra 1, inter 1, pinned to one core), batch "
-                     f"{PER_WORKER_BATCH}, 4x Conv2D({FILTERS}) on {IMAGE}"))
-    rows.append(_row("scaling_2workers_samples_per_sec", two["samples_per_sec"], "samples/s",
-                     f"2 workers x 1 thread (intra 1, inter 1), each pinned to its own core, "
-                     f"{PER_WORKER_BATCH} per worker"))
-    comm = alpha + two["gradient_bytes"] * beta
-    load = os.getloadavg()[0]
-    rows.append(_row("scaling_2workers_vs_1", speedup, "x",
-                     f"median of {len(rounds)} interleaved rounds "
-                     f"({', '.join(f'{x:.2f}' for x in speedups)}); "
-                     f"load average {load:.1f} on {os.cpu_count()} cores; "
-                     f"step {one['step_seconds'] * 1e3:.1f} ms -> {two['step_seconds'] * 1e3:.1f}"
-                     f" ms; all-reduce of {two['gradient_bytes'] / MB:.1f} MB gradients "
-                     f"predicted {comm * 1e3:.1f} ms by the fit", target=SCALING_TARGET))
+    _, conv = _scaling_part(quick, models=("conv",), workers=(1, 2), variants=("tfdist",))
+    rows += two_vs_one_rows(conv, (alpha, beta))
+    if not quick:  # the overhead curve: the tiny model at 1, 2 and 4 workers, every variant
+        rows += _scaling_part(quick, models=("tiny",), workers=(1, 2, 4))[0]
     rows.append({"name": "allreduce_points", "value": float(len(points)), "unit": "points",
                  "target": None, "ratio": None, "note": "raw (bytes, seconds) in 'points'",
                  "points": [{"bytes": k, "seconds": t} for k, t in points]})
     return rows
+
+
+def _scaling_only(quick: bool, models: list[str], workers, rounds) -> tuple[list[dict], dict]:
+    rows, curve = _scaling_part(quick, models=models, workers=workers, rounds=rounds)
+    if "conv" in curve and 2 in curve["conv"]["tfdist"]:
+        rows += two_vs_one_rows(curve)
+    return rows, scaling_table(curve)
+
+
+def format_table(table: dict) -> str:
+    """The scaling curve as a markdown table (step ms per variant, efficiency, collectives)."""
+    lines = []
+    for model, by_n in table.items():
+        lines += [f"{model}:", "",
+                  "| N | tfdist ms | tfdist_unpacked ms | stock ms | control ms | efficiency "
+                  "tfdist | tfdist_unpacked | stock | collectives/step tfdist, unpacked, "
+                  "stock |", "|---" * 9 + "|"]
+        for n, t in by_n.items():
+            def ms(v, t=t):
+                return f"{t['step_ms'][v]:.2f}" if v in t["step_ms"] else "-"
+
+            def eff(v, t=t):
+                return f"{t['efficiency'][v]:.2f}" if v in t["efficiency"] else "-"
+
+            counts = ", ".join(f"{t['collectives'][v][0]:.1f}" if v in t["collectives"]
+                               else "-" for v in ("tfdist", "tfdist_unpacked", "stock"))
+            lines.append(f"| {n} | {ms('tfdist')} | {ms('tfdist_unpacked')} | {ms('stock')} | "
+                         f"{t['control_ms']:.2f} | {eff('tfdist')} | {eff('tfdist_unpacked')} "
+                         f"| {eff('stock')} | {counts} |")
+        lines.append("")
+        for n, t in by_n.items():
+            for v, (count, order, _) in t["collectives"].items():
+                lines.append(f"N={n} {v}: worker 0, {count:.1f} collectives/step: "
+                             + (", ".join(order) or "none"))
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv):
@@ -263,15 +681,26 @@ def main(argv):
     if FLAGS.role == "allreduce":
         return _allreduce_worker(FLAGS.quick, FLAGS.worker_out)
     if FLAGS.role == "scaling":
-        return _scaling_worker(FLAGS.quick, FLAGS.worker_out)
-    rows = run(FLAGS.quick)
+        return _scaling_worker(json.loads(FLAGS.config), FLAGS.worker_out)
+    details = {}
+    if FLAGS.scaling_only:
+        rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds)
+        details["scaling"] = table
+    else:
+        rows = run(FLAGS.quick)
     print_rows(rows)
+    if "scaling" in details:
+        print()
+        print(format_table(details["scaling"]))
     if FLAGS.out:
-        write_rows(FLAGS.out, rows, quick=FLAGS.quick,
-                   command="python -m experiments.bench_multiworker"
-                           + (" --quick" if FLAGS.quick else ""))
+        write_rows(FLAGS.out, rows, quick=FLAGS.quick, load_average=os.getloadavg(),
+                   command=" ".join(["python -m experiments.bench_multiworker", *sys.argv[1:]]),
+                   **details)
 
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    try:
+        app.run(main)
+    except ValueError as e:  # bad flags: the message, not a traceback
+        sys.exit(f"bench_multiworker: {e}")

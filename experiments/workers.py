@@ -18,8 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def launch_workers(module: str, role: str, *, num_workers: int, timeout: float,
                    extra_args: tuple[str, ...] = (), env: dict | None = None,
-                   what: str = "benchmark", tail_lines: int = 20) -> dict:
+                   what: str = "benchmark", tail_lines: int = 20,
+                   every_task: bool = False) -> dict:
     """`python -m <module> --role=<role> --worker_out=FILE` on `num_workers` tasks -> FILE's JSON.
+
+    With `every_task`, the tasks other than the measuring one may write
+    FILE.task<i> too; they come back as a list under "tasks" (task order).
 
     Raises:
       RuntimeError: the launch failed or wrote no result, with the log's last lines.
@@ -40,4 +44,13 @@ def launch_workers(module: str, role: str, *, num_workers: int, timeout: float,
             tail = "\n".join(log.getvalue().splitlines()[-tail_lines:])
             raise RuntimeError(f"{what} workers failed: {result.message}\n{tail}")
         with open(out) as f:
-            return json.load(f)
+            result = json.load(f)
+        if every_task:
+            tasks = []
+            for i in range(num_workers):
+                path = f"{out}.task{i}"
+                if os.path.exists(path):
+                    with open(path) as f:
+                        tasks.append(json.load(f))
+            result["tasks"] = tasks
+        return result

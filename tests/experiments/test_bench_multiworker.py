@@ -1,0 +1,87 @@
+"""experiments/bench_multiworker.py's scaling curve: one smoke run of the tiny model at 1 and
+2 workers (every variant, one round), and its bad input. No timing is asserted: the rows
+exist, their efficiencies are finite and positive, and worker 0 counted its collectives."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from experiments import bench_multiworker as bench
+from tests.support import REPO
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_scaling_curve_rows_at_1_and_2_workers(tmp_path):
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # Its own session: on a timeout every process of the run (workers, the control's
+    # processes) goes with it, and none may be left once it ends.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.bench_multiworker", "--scaling_only",
+         "--models=tiny", "--workers=1,2", "--rounds=1", "--quick", f"--out={out}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=360)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            left = True
+        except ProcessLookupError:
+            left = False
+        proc.wait()
+    assert proc.returncode == 0, log[-4000:]
+    assert not left, "processes of the run outlived it"
+    report = json.loads(out.read_text())
+    rows = {r["name"]: r for r in report["rows"]}
+    expected = ([f"scaling_tiny_1workers_{v}_efficiency" for v in ("tfdist", "stock")]
+                + [f"scaling_tiny_2workers_{v}_efficiency"
+                   for v in ("tfdist", "tfdist_unpacked", "stock")])
+    assert sorted(rows) == sorted(expected), sorted(rows)
+    for name, r in rows.items():
+        assert math.isfinite(r["value"]) and r["value"] > 0, (name, r["value"])
+        assert r["unit"] == "x"
+        # Each row names its baseline's devices, threads and links.
+        for words in ("CPU only", "1 intra-op/1 inter-op thread", "loopback (127.0.0.1)",
+                      "baseline (control)"):
+            assert words in r["note"], (name, words, r["note"])
+    # The 1-worker tfdist run is the control at N = 1.
+    assert rows["scaling_tiny_1workers_tfdist_efficiency"]["value"] == 1.0
+    table = report["scaling"]["tiny"]
+    two = table["2"]
+    assert sorted(two["step_ms"]) == ["control", "stock", "tfdist", "tfdist_unpacked"]
+    assert all(math.isfinite(ms) and ms > 0 for ms in two["step_ms"].values())
+    # Worker 0's profile: the gradients and the packed logs (loss, accuracy) are two
+    # collectives; without keras_log_reduction each log value is its own (three); the
+    # stock loop all-reduces the gradients and its loss (two); the control and one worker
+    # none. Counts from the trace are exact, not timings.
+    counts = {v: c[0] for v, c in two["collectives"].items()}
+    assert counts == {"tfdist": 2.0, "tfdist_unpacked": 3.0, "stock": 2.0, "control": 0.0}
+    assert table["1"]["collectives"]["tfdist"][0] == 0.0
+    assert "| 2 |" in log and "N=2 tfdist: worker 0, 2.0 collectives/step" in log
+
+
+def test_bad_worker_counts_and_models_name_what_was_received():
+    with pytest.raises(ValueError, match=r"--workers must be positive integers.*Received: '0,2'"):
+        bench.check_worker_counts(["0", "2"])
+    with pytest.raises(ValueError, match=r"--workers must be positive.*Received: 'two'"):
+        bench.check_worker_counts(["two"])
+    assert bench.check_worker_counts(["8", "2", "2"]) == [1, 2, 8]  # 1: the curve's base
+    with pytest.raises(ValueError, match=r"--models must name one or more of conv, tiny. "
+                                         r"Received: 'resnet'"):
+        bench._scaling_part(True, models=("resnet",), workers=["1", "2"])
+    with pytest.raises(ValueError, match=r"--rounds must be at least 1. Received: 0"):
+        bench._scaling_part(True, models=("tiny",), workers=["1"], rounds=0)
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_multiworker", "--scaling_only",
+         "--workers=2,-4"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=REPO))
+    assert result.returncode != 0
+    assert "--workers must be positive integers" in result.stderr
+    assert "Traceback" not in result.stderr
