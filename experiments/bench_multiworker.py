@@ -189,8 +189,9 @@ def _short_op_name(name: str) -> str:
 
 def _stop_profile(tf) -> None:
     # The last step's result is back before its collective's trace event is recorded
-    # (the op is asynchronous): stopping at once lost that event in 1 of 2 stock runs.
-    time.sleep(0.5)
+    # (the op is asynchronous): stopping at once lost that event in 1 of 2 stock runs
+    # (0 of 4 with the wait).
+    time.sleep(1.0)
     tf.profiler.experimental.stop()
 
 
