@@ -249,6 +249,7 @@ def run_case(spec: str, references: dict, reference_prefix: str | None) -> dict:
            "initial_equal": _max_diff(before, reference["initial"]) == 0.0,
            "replicas_identical": _replicas_identical(model),
            "sharded": sum(_is_sharded(v) for v in model.weights),
+           "unsharded": sorted(v.path for v in model.weights if not _is_sharded(v)),
            "weights": len(model.weights)}
     if task.lora:
         row.update(_lora_row(model, before))

@@ -200,7 +200,11 @@ def test_every_task_under_every_synchronous_preset(matrix, task):
         if row.get("adapter_names"):
             _check_lora(row)
         if shard == "parameters":
-            assert row["sharded"] == row["weights"]
+            # Stage 3 shards every weight (shard_min_bytes=0) but non-trainable state, which
+            # it keeps whole by design: BatchNormalization's moving statistics (ResNet).
+            assert all(path.endswith(("/moving_mean", "/moving_variance"))
+                       for path in row["unsharded"]), row["unsharded"]
+            assert row["sharded"] == row["weights"] - len(row["unsharded"]), row
             if "export_vs_predict" in row:
                 assert row["export_vs_predict"] <= 1e-6
             if "generate_equal" in row:
