@@ -139,8 +139,7 @@ def _worker(config: dict, out: str) -> None:
     import numpy as np
 
     import tfdist
-    from experiments.bench_comm import _pin, _tcp_bytes_sent
-    from tfdist import sync as sync_lib
+    from experiments.bench_comm import _pin, _tcp_bytes_sent, compute_and_exchange_seconds
 
     task_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     core = _pin(task_id)
@@ -179,46 +178,8 @@ def _worker(config: dict, out: str) -> None:
               "params": int(model.count_params()),
               "shapes": [list(v.shape) for v in model.trainable_variables]}
 
-    sync = sync_lib.gradient_sync(strategy)
-
-    class KeepLocal(sync_lib.GradientSync):
-        """No communication: each worker applies its own gradients (timing only)."""
-
-        def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
-            return list(grads_and_vars)
-
-    sync_lib.set_gradient_sync(strategy, KeepLocal())
-    model.make_train_function(force=True)
-    model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
-    result["compute_seconds"] = time_steps(steps)
-    sync_lib.set_gradient_sync(strategy, sync)
-    variables = [v.value for v in model.trainable_variables]
-
-    def keras_all_reduce(grads_and_vars):
-        # What Keras's optimizer does without tfdist's sync: one all-reduce of every gradient.
-        grads = [g for g, _ in grads_and_vars]
-        summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
-        return list(zip(summed, [v for _, v in grads_and_vars]))
-
-    @tf.function
-    def exchange():
-        def replica_fn():
-            pairs = [(tf.ones_like(v) * 1e-3, v) for v in variables]
-            return tf.add_n([tf.reduce_sum(g) for g, _ in sync.reduce(
-                model.optimizer, pairs, keras_all_reduce)])
-
-        return strategy.run(replica_fn)
-
-    def timed(fn, repeats: int) -> float:
-        fn()  # trace
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            strategy.experimental_local_results(fn())[0].numpy()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    result["comm_seconds"] = timed(exchange, max(3, steps // 2))
+    result["compute_seconds"], result["comm_seconds"] = compute_and_exchange_seconds(
+        tf, strategy, model, ds, time_steps, steps=steps, exchange_repeats=max(3, steps // 2))
     if config.get("calibrate"):
         result["calibration"] = _calibrate(tf, strategy, config["calibrate"])
     if task_id == 0:

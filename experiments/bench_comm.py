@@ -105,12 +105,62 @@ def _tcp_bytes_sent(pid: int) -> int:
     return total
 
 
+def compute_and_exchange_seconds(tf, strategy, model, ds, time_steps, *, steps: int,
+                                 exchange_repeats: int) -> tuple[float, float]:
+    """(compute-only step, exchange alone) on a worker of a tfdist multi-worker strategy.
+
+    Compute only: `time_steps(steps)` with the strategy's GradientSync swapped for one that
+    keeps each worker's own gradients (no communication; tfdist's sync is put back after).
+    Exchange alone: the sync's reduction of gradient-shaped tensors, outside any step, the
+    median of `exchange_repeats` runs. Shared by bench_comm and bench_cluster (their hidden
+    share is (compute + exchange - step) / exchange).
+    """
+    from tfdist import sync as sync_lib
+
+    sync = sync_lib.gradient_sync(strategy)
+
+    class KeepLocal(sync_lib.GradientSync):
+        """No communication: each worker applies its own gradients (timing only)."""
+
+        def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
+            return list(grads_and_vars)
+
+    sync_lib.set_gradient_sync(strategy, KeepLocal())
+    model.make_train_function(force=True)
+    model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+    compute_seconds = time_steps(steps)
+    sync_lib.set_gradient_sync(strategy, sync)
+    variables = [v.value for v in model.trainable_variables]
+
+    def keras_all_reduce(grads_and_vars):
+        # What Keras's optimizer does (one all-reduce of every gradient), in public API.
+        grads = [g for g, _ in grads_and_vars]
+        summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+        return list(zip(summed, [v for _, v in grads_and_vars]))
+
+    @tf.function
+    def exchange():
+        def replica_fn():
+            pairs = [(tf.ones_like(v) * 1e-3, v) for v in variables]
+            reduced = sync.reduce(model.optimizer, pairs, keras_all_reduce)
+            return tf.add_n([tf.reduce_sum(g) for g, _ in reduced])
+
+        return strategy.run(replica_fn)
+
+    exchange()  # trace
+    times = []
+    for _ in range(exchange_repeats):
+        start = time.perf_counter()
+        strategy.experimental_local_results(exchange())[0].numpy()
+        times.append(time.perf_counter() - start)
+    return compute_seconds, statistics.median(times)
+
+
 def _worker(config: dict, out: str) -> None:
     import numpy as np
 
     import tfdist
     from tfdist._tf import import_tensorflow
-    from tfdist import sync as sync_lib
 
     task_id = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
     pinned = _pin(task_id)
@@ -154,43 +204,8 @@ def _worker(config: dict, out: str) -> None:
               "wire_bytes_per_step": sent, "pinned": pinned,
               "gradient_bytes": 4 * model.count_params()}
     if workers > 1 and config.get("overlap"):
-        sync = sync_lib.gradient_sync(strategy)
-
-        class KeepLocal(sync_lib.GradientSync):
-            """No communication: each worker applies its own gradients (timing only)."""
-
-            def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
-                return list(grads_and_vars)
-
-        sync_lib.set_gradient_sync(strategy, KeepLocal())
-        model.make_train_function(force=True)
-        model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
-        result["compute_seconds"] = time_steps(steps)
-        sync_lib.set_gradient_sync(strategy, sync)
-        variables = [v.value for v in model.trainable_variables]
-
-        def keras_all_reduce(grads_and_vars):
-            # What Keras's optimizer does (one all-reduce of every gradient), in public API.
-            grads = [g for g, _ in grads_and_vars]
-            summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
-            return list(zip(summed, [v for _, v in grads_and_vars]))
-
-        @tf.function
-        def exchange():
-            def replica_fn():
-                pairs = [(tf.ones_like(v) * 1e-3, v) for v in variables]
-                reduced = sync.reduce(model.optimizer, pairs, keras_all_reduce)
-                return tf.add_n([tf.reduce_sum(g) for g, _ in reduced])
-
-            return strategy.run(replica_fn)
-
-        exchange()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            strategy.experimental_local_results(exchange())[0].numpy()
-            times.append(time.perf_counter() - start)
-        result["comm_seconds"] = statistics.median(times)
+        result["compute_seconds"], result["comm_seconds"] = compute_and_exchange_seconds(
+            tf, strategy, model, ds, time_steps, steps=steps, exchange_repeats=steps)
     if tfdist.is_chief():
         with open(out, "w") as f:
             json.dump(result, f)

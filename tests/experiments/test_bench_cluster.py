@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -161,6 +162,11 @@ def test_leftover_workers_would_be_seen():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                              "experiments.bench_cluster", "--role={}"])
     try:
+        # Right after the fork /proc/<pid>/cmdline can still read empty (seen: 24 of 30
+        # checks made at once): poll briefly.
+        deadline = time.monotonic() + 10
+        while proc.pid not in _bench_workers() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert proc.pid in _bench_workers()
     finally:
         proc.kill()
