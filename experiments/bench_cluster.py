@@ -219,6 +219,8 @@ def _calibrate(tf, strategy, repeats: int) -> list[list[float]]:
 
 def _run_workers(lab, config: dict, port: int) -> dict:
     """One worker per node, fresh processes; worker 0's result. The processes end here."""
+    from experiments.netlab import wait_for_workers
+
     cluster = {"worker": [f"{lab.address(k)}:{port}" for k in range(lab.nodes)]}
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TF_CPP_MIN_LOG_LEVEL="2")
@@ -234,23 +236,13 @@ def _run_workers(lab, config: dict, port: int) -> dict:
                     env=dict(env, TF_CONFIG=json.dumps(
                         {"cluster": cluster, "task": {"type": "worker", "index": k}})),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-            outputs = []
-            deadline = time.monotonic() + WORKER_TIMEOUT
+        except BaseException:
             for p in procs:
-                outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"bench_cluster: the workers ({what}) did not finish in "
-                               f"{WORKER_TIMEOUT} s") from e
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+                p.kill()
                 p.wait()
-        for p, text in zip(procs, outputs):
-            if p.returncode != 0:
-                tail = "\n".join(text.strip().splitlines()[-20:])
-                raise RuntimeError(f"bench_cluster: a worker ({what}) exited with "
-                                   f"{p.returncode}:\n{tail}")
+            raise
+        outputs = wait_for_workers(procs, timeout=WORKER_TIMEOUT,
+                                   label=f"bench_cluster ({what})")
         if not os.path.exists(out):
             raise RuntimeError(f"bench_cluster: worker 0 ({what}) wrote no result:\n"
                                + outputs[0][-2000:])

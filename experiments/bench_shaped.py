@@ -184,6 +184,8 @@ def _worker(method: str, steps: int) -> None:
 
 def _measure(lab, method: str, steps: int, port: int) -> dict:
     """One pair of fresh worker processes on the lab's two nodes; worker 0's result."""
+    from experiments.netlab import wait_for_workers
+
     cluster = {"worker": [f"{lab.address(k)}:{port}" for k in range(2)]}
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TF_CPP_MIN_LOG_LEVEL="2")
@@ -193,23 +195,8 @@ def _measure(lab, method: str, steps: int, port: int) -> dict:
                            {"cluster": cluster, "task": {"type": "worker", "index": k}})),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for k in range(2)]
-    outputs = []
-    deadline = time.monotonic() + WORKER_TIMEOUT
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"bench_shaped: the {method!r} workers did not finish in "
-                           f"{WORKER_TIMEOUT} s") from e
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    for p, text in zip(procs, outputs):
-        if p.returncode != 0:
-            raise RuntimeError(f"bench_shaped: a {method!r} worker exited with {p.returncode}:\n"
-                               + "\n".join(text.strip().splitlines()[-20:]))
+    outputs = wait_for_workers(procs, timeout=WORKER_TIMEOUT,
+                               label=f"bench_shaped ({method!r})")
     for line in outputs[0].splitlines():
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK):])

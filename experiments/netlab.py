@@ -66,6 +66,34 @@ print(statistics.median(rtts), total / (time.perf_counter() - t))
 """
 
 
+def wait_for_workers(procs: list[subprocess.Popen], *, timeout: float, label: str) -> list[str]:
+    """Each process's output once all ended (one deadline for all); leftovers killed and reaped.
+
+    Raises:
+      RuntimeError: "<label>: the workers did not finish in <timeout> s", or
+        "<label>: worker k exited with <code>" and its last 20 lines.
+    """
+    import time
+
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{label}: the workers did not finish in {timeout} s") from e
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for k, (p, text) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            tail = "\n".join(text.strip().splitlines()[-20:])
+            raise RuntimeError(f"{label}: worker {k} exited with {p.returncode}:\n{tail}")
+    return outputs
+
+
 def _kbit(rate_bits: float) -> str:
     return f"{max(8, int(rate_bits / 1000))}kbit"
 

@@ -33,6 +33,33 @@ def alive(pid: int) -> bool:
         return False
 
 
+def namespaces_refused() -> str | None:
+    """None when experiments.netlab can build simulated nodes here, else why not (a skip reason)."""
+    from experiments.netlab import NetLab
+
+    problem = NetLab.available()
+    if problem:
+        return problem
+    try:
+        NetLab(1).close()
+    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+        return f"cannot make a network namespace here: {e}"
+    return None
+
+
+def live_namespaces() -> set[str]:
+    """The network namespaces some process on this machine is in (for no-leftover checks)."""
+    import glob
+
+    live = set()
+    for path in glob.glob("/proc/[0-9]*/ns/net"):
+        try:
+            live.add(os.readlink(path))
+        except OSError:  # the process ended meanwhile
+            pass
+    return live
+
+
 class TiedEmbedding(keras.layers.Embedding):
     """An embedding whose transpose is the output head (KerasHub's ReversibleEmbedding idea)."""
 

@@ -6,7 +6,6 @@ kernel refuses a new namespace) the end-to-end test is skipped with the reason.
 
 import glob
 import math
-import os
 import subprocess
 import sys
 import time
@@ -14,29 +13,8 @@ import time
 import pytest
 
 from experiments import bench_cluster
-from experiments.netlab import NetLab
 from experiments.rows import row
-
-
-def _namespaces_refused() -> str | None:
-    problem = NetLab.available()
-    if problem:
-        return problem
-    try:
-        NetLab(1).close()
-    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
-        return f"cannot make a network namespace here: {e}"
-    return None
-
-
-def _live_namespaces() -> set[str]:
-    live = set()
-    for path in glob.glob("/proc/[0-9]*/ns/net"):
-        try:
-            live.add(os.readlink(path))
-        except OSError:  # the process ended meanwhile
-            pass
-    return live
+from tests.support import live_namespaces, namespaces_refused
 
 
 def _bench_workers() -> list[int]:
@@ -99,14 +77,14 @@ def test_targets_from_measurements():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smallest_configuration_runs_on_simulated_nodes_and_cleans_up():
-    refused = _namespaces_refused()
+    refused = namespaces_refused()
     if refused:
         pytest.skip(f"simulated nodes: {refused}")
     labs = []
     rows = bench_cluster.run([2], [1.0], ["mlp"], ["powersgd"], steps=2, log=lambda *a: None,
                              on_lab=lambda lab: labs.append(lab.namespaces()))
     assert len(labs) == 1 and len(labs[0]) == 3  # two nodes and the switch
-    assert not labs[0] & _live_namespaces()
+    assert not labs[0] & live_namespaces()
     assert not _bench_workers()
     by_name = {r["name"]: r for r in rows}
     name = "cluster/2 nodes/1 Gbit/s-eq/mlp/powersgd"
@@ -126,7 +104,7 @@ def test_smallest_configuration_runs_on_simulated_nodes_and_cleans_up():
 
 def test_a_failed_configuration_gets_its_row_and_the_others_still_run(monkeypatch):
     """run() with the worker processes replaced: one method fails, the next calibrates."""
-    refused = _namespaces_refused()
+    refused = namespaces_refused()
     if refused:
         pytest.skip(f"simulated nodes: {refused}")
     shapes = [[784, 1024], [1024], [1024, 10], [10]]
@@ -172,3 +150,22 @@ def test_leftover_workers_would_be_seen():
         proc.kill()
         proc.wait()
     assert proc.pid not in _bench_workers()
+
+
+def test_wait_for_workers_names_a_failed_or_stuck_worker_and_leaves_none():
+    from experiments.netlab import wait_for_workers
+    from tests.support import alive
+
+    def start(code):
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    assert wait_for_workers([start("print('a')"), start("print('b')")], timeout=30,
+                            label="x") == ["a\n", "b\n"]
+    with pytest.raises(RuntimeError, match=r"^x: worker 1 exited with 3:\nboom$"):
+        wait_for_workers([start("pass"), start("print('boom'); raise SystemExit(3)")],
+                         timeout=30, label="x")
+    stuck = [start("pass"), start("import time; time.sleep(60)")]
+    with pytest.raises(RuntimeError, match=r"^x: the workers did not finish in 1 s$"):
+        wait_for_workers(stuck, timeout=1, label="x")
+    assert not any(alive(p.pid) for p in stuck)

@@ -4,7 +4,6 @@ Network namespaces need root, `ip`, `tc` and `nsenter`; without them (or where t
 kernel refuses a new namespace) every test here is skipped with the reason.
 """
 
-import glob
 import math
 import os
 import subprocess
@@ -15,44 +14,23 @@ import pytest
 
 from experiments import bench_shaped
 from experiments.netlab import NetLab
+from tests.support import live_namespaces, namespaces_refused
 
 
-def _namespaces_refused() -> str | None:
-    problem = NetLab.available()
-    if problem:
-        return problem
-    try:
-        NetLab(1).close()
-    except (RuntimeError, subprocess.SubprocessError, OSError) as e:
-        return f"cannot make a network namespace here: {e}"
-    return None
-
-
-_REFUSED = _namespaces_refused()
+_REFUSED = namespaces_refused()
 pytestmark = pytest.mark.skipif(_REFUSED is not None, reason=f"simulated nodes: {_REFUSED}")
-
-
-def _live_namespaces() -> set[str]:
-    """The network namespaces some process on this machine is in."""
-    live = set()
-    for path in glob.glob("/proc/[0-9]*/ns/net"):
-        try:
-            live.add(os.readlink(path))
-        except OSError:  # the process ended meanwhile
-            pass
-    return live
 
 
 def test_links_are_shaped_and_namespaces_go_on_error():
     with pytest.raises(RuntimeError, match="an error inside the lab"):
         with NetLab(2, rate_bits=20e6) as lab:
             held = lab.namespaces()
-            assert len(held) == 3 and held <= _live_namespaces()  # two nodes and the switch
+            assert len(held) == 3 and held <= live_namespaces()  # two nodes and the switch
             shaped = lab.probe(pings=20, total_bytes=1 << 20)["bytes_per_second"] * 8
             lab.set_rate(2e9)
             fast = lab.probe(pings=20, total_bytes=8 << 20)["bytes_per_second"] * 8
             raise RuntimeError("an error inside the lab")
-    assert not held & _live_namespaces()
+    assert not held & live_namespaces()
     # 20 Mbit/s allows at most 40 (HTB's burst lets a short stream above the rate), and the
     # same link at 2 Gbit/s is faster than that: the rate is what limits it.
     assert shaped < 40e6 < fast, (shaped, fast)
@@ -70,10 +48,10 @@ def test_namespaces_go_when_their_maker_is_killed(tmp_path):
     held = set(out.stdout.split())
     assert out.returncode == -9 and len(held) == 3, out
     deadline = 50
-    while held & _live_namespaces() and deadline:  # holders die with their parent (SIGKILL)
+    while held & live_namespaces() and deadline:  # holders die with their parent (SIGKILL)
         deadline -= 1
         time.sleep(0.1)
-    assert not held & _live_namespaces()
+    assert not held & live_namespaces()
 
 
 def test_bad_arguments_name_what_was_received():
@@ -93,7 +71,7 @@ def test_smallest_configuration_trains_on_the_shaped_link_and_cleans_up():
     rows = bench_shaped.run([100.0], ["tfdist"], rounds=1, steps=2, log=lambda *a: None,
                             on_lab=lambda lab: labs.append(lab.namespaces()))
     assert len(labs) == 1 and len(labs[0]) == 3
-    assert not labs[0] & _live_namespaces()
+    assert not labs[0] & live_namespaces()
     (step,) = rows
     assert step["name"] == "shaped/100 Mbit/s/tfdist: step", rows
     assert math.isfinite(step["value"]) and step["value"] > 0, step
