@@ -6,6 +6,7 @@ With no flags: MirroredStrategy over 2 logical CPUs on the scikit-learn digits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -77,6 +78,45 @@ def check_inputs(*, learning_rate: float, logical_devices: int | None, model_dir
                             os.path.dirname(os.path.abspath(metrics_out)))
 
 
+def _split_strategy(strategy_options, split_options):
+    """(strategy, Parallelism or None): one pipeline, or the mirrored preset's replicas of it.
+
+    --strategy=default: one replica (TensorFlow's default strategy). --strategy=mirrored:
+    its devices (--devices / --num_devices, default all) hold R = devices / split size
+    replicas, each running the split: the strategy `tfdist.make_strategy` makes from the
+    `tfdist.Parallelism` the flags describe.
+    """
+    import tfdist
+    from tfdist import devices as devices_lib
+
+    preset = strategy_options.preset
+    if preset == "default":
+        return tfdist.make_strategy(strategy_options), None
+    if preset != "mirrored":
+        raise ValueError(
+            f"--split and --sequence_parallel run in this process: one pipeline "
+            f"(--strategy=default) or replicas of it over this process's devices "
+            f"(--strategy=mirrored); a split across workers is not supported. Received: "
+            f"--strategy={preset}. Use --strategy=default or --strategy=mirrored.")
+    if split_options.split == "auto" and split_options.stages is None:
+        raise ValueError(
+            "--strategy=mirrored with --split=auto runs replicas x stages over its devices, so "
+            "it needs the stage count. Received: --split=auto without --stages. Pass e.g. "
+            "--stages=2 (4 devices: 2 replicas of 2 stages), or --strategy=default for one "
+            "pipeline over all devices.")
+    pool = devices_lib.resolve_devices(strategy_options.devices, strategy_options.num_devices)
+    per_replica = split_options.parallelism(pool).devices_per_replica
+    replicas = max(1, len(pool) // per_replica)
+    dims = split_options.parallelism(pool, replicas=replicas)
+    # Other mirrored options (cross_device_ops, sync_batch_norm, shard, ...) given by flag:
+    # make_strategy says a split runs its replicas with the preset's defaults.
+    given = {f.name: getattr(strategy_options, f.name)
+             for f in dataclasses.fields(strategy_options)
+             if f.name not in ("devices", "num_devices")
+             and getattr(strategy_options, f.name) != f.default}
+    return tfdist.make_strategy(dims, **given), dims
+
+
 def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_size: int,
         epochs: int, steps_per_epoch: int | None, learning_rate: float, seed: int,
         model_dir: str | None = None, verbose: int | str | None = "auto",
@@ -111,7 +151,11 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
             f"global_batch_size must be at most the training set's size ({len(data.x_train)} "
             f"examples of {dataset_name}): a bigger batch repeats examples within one step. "
             f"Received: global_batch_size={global_batch_size}. Use e.g. --global_batch_size=64.")
-    strategy = tfdist.make_strategy(strategy_options)
+    splitting = split_options is not None and split_options.enabled
+    if splitting:
+        strategy, split_dims = _split_strategy(strategy_options, split_options)
+    else:
+        strategy, split_dims = tfdist.make_strategy(strategy_options), None
     if verbose is None:
         verbose = tfdist.fit_verbose()
     step_options = step_options or tfdist.StepOptions()
@@ -127,23 +171,28 @@ def run(*, strategy_options, model_name: str, dataset_name: str, global_batch_si
              .shuffle(len(data.x_train), seed=seed).repeat()
              .batch(global_batch_size, drop_remainder=True).prefetch(2))
     test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test)).batch(global_batch_size)
-    splitting = split_options is not None and split_options.enabled
-    if splitting and strategy_options.preset != "default":
-        raise ValueError(
-            f"--split places layers itself; --strategy={strategy_options.preset} would place "
-            "the variables too. Use --strategy=default with --split (replicas x stages: "
-            "tfdist.split_model(..., replicas=R)).")
-    with strategy.scope(), step_lib.dtype_policy(step_options):
+    # A split's replicas (split_dims.replicas > 1) are the split model's own: it is built
+    # as on one device and split_model runs it under the strategy.
+    scope = strategy.scope() if split_dims is None else contextlib.nullcontext()
+    with scope, step_lib.dtype_policy(step_options):
         keras.utils.set_random_seed(seed)
         model = build_model(model_name, data.input_shape, data.num_classes)
         if splitting:
             from tfdist.split import split_from_options
 
-            model = split_from_options(model, split_options)
+            if split_dims is None or split_dims.replicas == 1:
+                model = split_from_options(
+                    model, split_options,
+                    devices=None if split_dims is None else split_dims.devices)
+            else:
+                model = split_from_options(model, split_options, strategy=strategy)
             say(tfdist.placement_report(model, batch_size=global_batch_size))
-        model.compile(step_lib.optimizer(keras.optimizers.Adam(learning_rate), step_options),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], **step_lib.compile_arguments(step_options))
+        # The optimizer is made under the strategy's scope (its slots are mirrored variables).
+        with strategy.scope() if split_dims is not None else contextlib.nullcontext():
+            model.compile(
+                step_lib.optimizer(keras.optimizers.Adam(learning_rate), step_options),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"], **step_lib.compile_arguments(step_options))
     # samples/s, step time and device memory per epoch, into the history and TensorBoard.
     callbacks = [tfdist.ThroughputMonitor(global_batch_size=global_batch_size)]
     if model_dir:

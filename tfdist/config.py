@@ -10,6 +10,7 @@ here with a message that names the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, ClassVar, Literal
 
 from tfdist import parallelism as parallelism_lib
@@ -579,14 +580,21 @@ SPLIT_BALANCE: tuple[str, ...] = ("params", "flops", "time")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SplitOptions:
-    """How experiments split a model across devices (flags --split, --stages, ...).
+    """The split flags (--split, --stages, ...): how to cut a model, and a Parallelism to run.
+
+    The degrees (stages, micro-batches, schedule, sequence) and which
+    combinations are valid are `tfdist.Parallelism`'s: these options are
+    checked by its rules, and `parallelism()` returns the one that
+    `split_model` runs. What is not a degree stays here: where the cut comes
+    from (`split`: balanced, or a plan file) and what the balance weighs.
 
     Attributes:
       split: "none" (no splitting), "auto" (balanced plan over `stages`
-        devices) or the path of a plan file written by `Plan.save`.
+        devices) or the path of a plan file written by `SplitPlan.save`.
       stages: number of pipeline stages for split="auto" (default: every
-        logical device).
-      micro_batches: GPipe micro-batches per batch (M).
+        device of a replica).
+      micro_batches: micro-batches per batch (M).
+      schedule: how micro-batches go through the stages: free, gpipe, 1f1b.
       split_balance: what "auto" balances: params, flops or time.
       sequence_parallel: devices each sequence is cut over (1 = off); not
         combined with split (a pipeline) in one run.
@@ -594,11 +602,14 @@ class SplitOptions:
 
     split: str = dataclasses.field(default="none", metadata={
         "help": "Model splitting: none, auto (balanced over --stages devices) or the path "
-                "of a plan file (JSON from tfdist.split.Plan.save)."})
+                "of a plan file (JSON from tfdist.split.SplitPlan.save)."})
     stages: int | None = dataclasses.field(default=None, metadata={
-        "help": "Pipeline stages for --split=auto (default: all logical devices)."})
+        "help": "Pipeline stages for --split=auto (default: all of a replica's devices)."})
     micro_batches: int = dataclasses.field(default=1, metadata={
-        "help": "GPipe micro-batches per batch; the batch size must be a multiple."})
+        "help": "Micro-batches per batch; the batch size must be a multiple."})
+    schedule: parallelism_lib.Schedule = dataclasses.field(default="free", metadata={
+        "help": "Pipeline schedule: free (TensorFlow runs any ready op), gpipe (each stage "
+                "takes micro-batches in order) or 1f1b (needs --micro_batches >= stages)."})
     split_balance: SplitBalance = dataclasses.field(default="params", metadata={
         "help": "What --split=auto balances across stages: params, flops or time."})
     sequence_parallel: int = dataclasses.field(default=1, metadata={
@@ -611,36 +622,91 @@ class SplitOptions:
             raise ValueError("split must be 'none', 'auto' or a plan file path. "
                              f"Received: split={self.split!r}")
         _check_positive_int("stages", self.stages, allow_none=True)
-        _check_positive_int("micro_batches", self.micro_batches)
-        _check_positive_int("sequence_parallel", self.sequence_parallel)
-        if self.sequence_parallel > 1 and self.split != "none":
-            raise ValueError(
-                "sequence_parallel and split are separate ways to use several devices; this "
-                f"version runs one at a time. Received: split={self.split!r}, "
-                f"sequence_parallel={self.sequence_parallel}. Drop one of them.")
         if self.split_balance not in SPLIT_BALANCE:
             raise ValueError(f"split_balance must be one of {', '.join(SPLIT_BALANCE)}. "
                              f"Received: split_balance={self.split_balance!r}")
-        if self.split == "none" and (self.stages is not None or self.micro_batches != 1):
+        if self.split == "none" and (self.stages is not None or self.micro_batches != 1
+                                     or self.schedule != "free"):
             raise ValueError(
-                "stages and micro_batches only apply when the model is split. Received: "
-                f"split='none', stages={self.stages!r}, micro_batches={self.micro_batches!r}. "
-                "Pass --split=auto (or a plan file), or drop --stages/--micro_batches.")
+                "stages, micro_batches and schedule only apply when the model is split. "
+                f"Received: split='none', stages={self.stages!r}, "
+                f"micro_batches={self.micro_batches!r}, schedule={self.schedule!r}. Pass "
+                "--split=auto (or a plan file), or drop --stages/--micro_batches/--schedule.")
         if self.split not in ("none", "auto"):
             import os
 
             if not os.path.isfile(self.split):
                 raise ValueError(
                     f"split must be 'none', 'auto' or an existing plan file. Received: "
-                    f"split={self.split!r} (no such file). Write one with Plan.save(path).")
+                    f"split={self.split!r} (no such file). Write one with SplitPlan.save(path).")
             if self.stages is not None:
                 raise ValueError(
                     f"stages comes from the plan file {self.split!r}; drop --stages. "
                     f"Received: stages={self.stages!r}")
+        # The degrees and their combinations: the Parallelism's rules. Without --stages the
+        # count is known once the devices are (parallelism()); 2 stand in for "a pipeline"
+        # beside sequence parallelism, which excludes one.
+        stages = self.stages or (2 if self.split != "none" and self.sequence_parallel > 1 else 1)
+        self._dims(replicas=1, stages=stages, devices=None)
 
     @property
     def enabled(self) -> bool:
         return self.split != "none" or self.sequence_parallel > 1
+
+    def _dims(self, *, replicas: int, stages: int, devices) -> parallelism_lib.Parallelism:
+        try:
+            return parallelism_lib.Parallelism(
+                replicas=replicas, stages=stages, micro_batches=self.micro_batches,
+                schedule=self.schedule, sequence=self.sequence_parallel, devices=devices)
+        except ValueError as e:  # in the options' names
+            text = re.sub(r"\bsequence(?= must|=)", "sequence_parallel", str(e))
+            raise ValueError(text) from None
+
+    def parallelism(self, devices, *, replicas: int = 1) -> parallelism_lib.Parallelism:
+        """The `tfdist.Parallelism` these options describe over `devices`.
+
+        Args:
+          devices: the devices to use (e.g. this process's logical CPUs), in
+            order; replica r takes the r-th group of them.
+          replicas: data-parallel copies of the split model (the mirrored
+            preset's replicas), each running its own pipeline.
+
+        Returns:
+          Parallelism(replicas, stages/micro-batches/schedule or sequence,
+          devices): for split="auto", `stages` (default: len(devices) //
+          replicas) devices per replica; for a plan file, replica 0 on the
+          plan's devices and the others on the next devices in order.
+
+        Raises:
+          ValueError: options that are not a split, or more devices needed
+            than `devices` holds (with the --logical_devices to ask for).
+        """
+        from tfdist.split import plan as plan_lib
+
+        if not self.enabled:
+            raise ValueError("These options split nothing (split='none', sequence_parallel=1); "
+                             "there is no split to describe. Pass --split or --sequence_parallel.")
+        pool = tuple(devices)
+        if self.sequence_parallel > 1:
+            per_replica = self.sequence_parallel
+            what = f"sequence_parallel={per_replica}"
+        elif self.split == "auto":
+            per_replica = self.stages or max(1, len(pool) // replicas)
+            what = f"stages={per_replica}"
+        else:
+            plan = plan_lib.SplitPlan.load(self.split)
+            base = plan.devices
+            rest = [d for d in pool if d not in base]
+            pool = base + tuple(rest)
+            per_replica, what = len(base), f"the plan file's {len(base)} device(s)"
+        needed = replicas * per_replica
+        if needed > len(pool):
+            raise ValueError(
+                f"{what} x replicas={replicas} needs {needed} devices, but only {len(pool)} "
+                f"are available ({', '.join(pool)}). Use --logical_devices={needed}, fewer "
+                "replicas, or a smaller split.")
+        stages = 1 if self.sequence_parallel > 1 else per_replica
+        return self._dims(replicas=replicas, stages=stages, devices=pool[:needed])
 
 
 # --- per-step knobs, independent of the preset (tfdist/step_options.py) -----------------

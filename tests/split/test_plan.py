@@ -136,6 +136,48 @@ def test_split_options_validation(tmp_path):
         config.SplitOptions(split=str(tmp_path / "nope.json"))
     with pytest.raises(ValueError, match="split_balance must be one of"):
         config.SplitOptions(split="auto", split_balance="bytes")
+    with pytest.raises(ValueError, match="schedule must be one of free, gpipe, 1f1b"):
+        config.SplitOptions(split="auto", schedule="zigzag")
+    with pytest.raises(ValueError, match="only apply when the model is split"):
+        config.SplitOptions(schedule="gpipe")
+    # The combination rules are the Parallelism's (one home), in the options' names.
+    with pytest.raises(ValueError, match=r"1f1b' needs at least as many micro-batches as "
+                                         r"stages.*micro_batches=2 for 4 stages"):
+        config.SplitOptions(split="auto", stages=4, micro_batches=2, schedule="1f1b")
+
+
+CPUS = ("/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3")
+
+
+def test_split_options_describe_one_parallelism(tmp_path):
+    from tfdist.parallelism import Parallelism
+    from tfdist.split.plan import SplitPlan
+
+    canon = tuple(f"/device:CPU:{i}" for i in range(4))
+    auto = config.SplitOptions(split="auto", stages=2, micro_batches=4, schedule="gpipe")
+    assert auto.parallelism(CPUS) == Parallelism(stages=2, micro_batches=4, schedule="gpipe",
+                                                 devices=canon[:2])
+    assert auto.parallelism(CPUS, replicas=2) == Parallelism(
+        replicas=2, stages=2, micro_batches=4, schedule="gpipe", devices=canon)
+    # Without --stages: every device of a replica.
+    assert config.SplitOptions(split="auto").parallelism(CPUS).stages == 4
+    assert config.SplitOptions(split="auto").parallelism(CPUS, replicas=2).stages == 2
+    assert config.SplitOptions(sequence_parallel=2).parallelism(CPUS, replicas=2) == Parallelism(
+        replicas=2, sequence=2, devices=canon)
+    # A plan file: replica 0 on the plan's devices, the next replicas on the next devices.
+    path = tmp_path / "plan.json"
+    SplitPlan.from_dict({"a": "/cpu:2", "b": "/cpu:3"}).save(path)
+    from_file = config.SplitOptions(split=str(path), micro_batches=2)
+    assert from_file.parallelism(CPUS).devices == canon[2:]
+    assert from_file.parallelism(CPUS, replicas=2).devices == canon[2:] + canon[:2]
+    with pytest.raises(ValueError, match=r"stages=2 x replicas=4 needs 8 devices, but only 4 "
+                                         r"are available.*--logical_devices=8"):
+        auto.parallelism(CPUS, replicas=4)
+    with pytest.raises(ValueError, match="1f1b' runs one pipeline"):
+        config.SplitOptions(split="auto", stages=2, micro_batches=2,
+                            schedule="1f1b").parallelism(CPUS, replicas=2)
+    with pytest.raises(ValueError, match="split nothing"):
+        config.SplitOptions().parallelism(CPUS)
 
 
 def test_split_flags(tmp_path):
@@ -178,9 +220,11 @@ def test_large_inputs_use_bisection_with_the_same_optimum():
 def test_sequence_parallel_option_and_flag():
     opts = config.SplitOptions(sequence_parallel=2)
     assert opts.enabled and opts.split == "none"
-    with pytest.raises(ValueError, match="sequence_parallel must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"sequence_parallel must be an integer >= 1\. "
+                                         r"Received: sequence_parallel=0"):
         config.SplitOptions(sequence_parallel=0)
-    with pytest.raises(ValueError, match="sequence_parallel and split are separate"):
+    with pytest.raises(ValueError, match=r"Sequence parallelism and a pipeline .* are separate"
+                                         r".*Received: sequence_parallel=2"):
         config.SplitOptions(split="auto", sequence_parallel=2)
     fv = flags.FlagValues()
     tfdist_flags.define_split_flags(fv)

@@ -691,38 +691,31 @@ def check_placement(split: SplitModel) -> list[str]:
     return out
 
 
-def split_from_options(model, options, *, devices: Sequence[str] | None = None):
+def split_from_options(model, options, *, devices: Sequence[str] | None = None,
+                       strategy=None):
     """Applies a SplitOptions (the --split flags) to a built model.
 
-    Returns the model unchanged for split="none", else a SplitModel: "auto"
-    balances over `options.stages` devices (default: all logical devices, or
-    `devices`), a path loads a SplitPlan file; with sequence_parallel=N a
-    SequenceParallelModel over the first N devices. The flags describe a
-    `tfdist.Parallelism` (stages and micro-batches, or sequence), which
-    `split_model` runs.
+    Returns the model unchanged when the options split nothing, else
+    `split_model` of the `tfdist.Parallelism` they describe: "auto" balances
+    over `options.stages` devices (default: all of them), a plan file places
+    the layers itself, sequence_parallel=N cuts each sequence over N devices.
+
+    Args:
+      model: the built model.
+      options: a `tfdist.config.SplitOptions`.
+      devices: the devices to split over (default: this process's).
+      strategy: a strategy `tfdist.make_strategy(options.parallelism(...,
+        replicas=R))` made, whose R replicas each run the split (default:
+        one replica).
     """
     from tfdist import devices as devices_lib
 
     if not options.enabled:
         return model
-    if options.sequence_parallel > 1:
-        pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
-        n = options.sequence_parallel
-        if n > len(pool):
-            raise ValueError(
-                f"sequence_parallel={n} but only {len(pool)} device(s) are available ({pool}). "
-                f"Use --logical_devices={n} or a smaller --sequence_parallel.")
-        return split_model(model, parallelism=parallelism_lib.Parallelism(
-            sequence=n, devices=tuple(pool[:n])))
-    if options.split == "auto":
-        pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
-        k = options.stages if options.stages is not None else len(pool)
-        if k > len(pool):
-            raise ValueError(
-                f"stages={k} but only {len(pool)} device(s) are available ({pool}). Use "
-                f"--logical_devices={k} or fewer stages.")
-        return split_model(model, parallelism=parallelism_lib.Parallelism(
-            stages=k, micro_batches=options.micro_batches, devices=tuple(pool[:k])),
-            balance_by=options.split_balance)
-    return split_model(model, plan=plan_lib.SplitPlan.load(options.split),
-                       micro_batches=options.micro_batches)
+    plan = None if options.split in ("none", "auto") else plan_lib.SplitPlan.load(options.split)
+    balance_by = options.split_balance if options.split == "auto" else None
+    if strategy is not None:
+        return split_model(model, strategy=strategy, plan=plan, balance_by=balance_by)
+    pool = list(devices) if devices is not None else list(devices_lib.resolve_devices(None))
+    return split_model(model, parallelism=options.parallelism(pool), plan=plan,
+                       balance_by=balance_by)
