@@ -1,7 +1,7 @@
 """A simulated cluster with rate-limited links: `python -m experiments.bench_cluster`.
 
     python -m experiments.bench_cluster [--nodes=2,4] [--rates=1,10] [--models=mlp,conv]
-        [--methods=none,buckets,fp16,bf16,powersgd] [--steps=8]
+        [--methods=none,buckets,fp16,bf16,powersgd] [--steps=8] [--rounds=1]
         [--out=results/bench_cluster.json]
 
 Every "node" is a network namespace joined to a switch namespace by a veth
@@ -81,6 +81,8 @@ def _define_flags() -> None:
     flags.DEFINE_list("models", ["mlp"], "Models: " + ", ".join(MODELS))
     flags.DEFINE_list("methods", list(METHODS), "Methods: " + ", ".join(METHODS))
     flags.DEFINE_integer("steps", 8, "Timed steps per measurement (median kept).")
+    flags.DEFINE_integer("rounds", 1, "Interleaved rounds per configuration (the median "
+                         "round is kept).")
     flags.DEFINE_integer("bucket_bytes", BUCKET_BYTES, "bucket_bytes of the `buckets` method.")
     flags.DEFINE_string("out", "results/bench_cluster.json", "Where to write the rows (JSON).")
     flags.DEFINE_string("role", None, "Internal: run as a worker with this JSON config.")
@@ -91,7 +93,7 @@ FLAGS = flags.FLAGS
 
 
 def check_arguments(nodes, rates, models, methods, steps: int,
-                    bucket_bytes: int = BUCKET_BYTES) -> None:
+                    bucket_bytes: int = BUCKET_BYTES, rounds: int = 1) -> None:
     """ValueError naming what was received when the arguments cannot run."""
     if not nodes or any(n < 2 for n in nodes):
         raise ValueError(f"--nodes must be node counts >= 2. Received: {list(nodes)}")
@@ -106,6 +108,8 @@ def check_arguments(nodes, rates, models, methods, steps: int,
         raise ValueError(f"--steps must be >= 2. Received: steps={steps}")
     if bucket_bytes < 1:
         raise ValueError(f"--bucket_bytes must be >= 1. Received: bucket_bytes={bucket_bytes}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1. Received: rounds={rounds}")
 
 
 # --- worker (inside a node's namespace) ----------------------------------------------------
@@ -278,10 +282,18 @@ def _method_of(compression: str, measured: dict) -> str | None:
                  and METHODS[m].get("gradient_compression", "none") == compression), None)
 
 
+def config_name(nodes: int, rate: float, model: str, method: str) -> str:
+    """A configuration's row prefix (experiments.plots reads the rows back by it)."""
+    return f"cluster/{nodes} nodes/{rate:g} Gbit/s-eq/{model}/{method}"
+
+
 def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET_BYTES,
-        log=print, on_lab=None) -> list[dict]:
+        rounds: int = 1, log=print, on_lab=None) -> list[dict]:
     """Rows per configuration and the targets (see the module docstring).
 
+    With rounds > 1, every (model, method) of a lab and rate runs once per round, the
+    order rotated from round to round, and each configuration keeps its median-step
+    round's result (so its compute, exchange and wire figures are from the same run).
     A configuration whose workers fail gets a "failed" row with their last output; the
     others are still measured.
 
@@ -291,8 +303,8 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
     from experiments.rows import row
     from tfdist import planning
 
-    check_arguments(nodes, rates, models, methods, steps, bucket_bytes)
-    measured: dict[tuple, dict] = {}
+    check_arguments(nodes, rates, models, methods, steps, bucket_bytes, rounds)
+    measured: dict[tuple, list[dict]] = {}
     failed: dict[tuple, str] = {}
     links: dict[tuple, dict] = {}
     loads = [os.getloadavg()[0]]
@@ -306,8 +318,12 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                 probe = lab.probe(pings=50, total_bytes=int(min(16 << 20,
                                                                 rate * 1e9 * RATE_SCALE / 16)))
                 link = None
-                for model in models:
-                    for method in methods:
+                configs = [(model, method) for model in models for method in methods]
+                for r in range(rounds):
+                    shift = r % len(configs)
+                    for model, method in configs[shift:] + configs[:shift]:
+                        if (n, rate, model, method) in failed:
+                            continue
                         port += 1  # a fresh port: the last run's may still be in TIME_WAIT
                         options = dict(METHODS[method])
                         if "bucket_bytes" in options:
@@ -318,7 +334,8 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                         try:
                             result = _run_workers(lab, config, port)
                         except RuntimeError as e:  # the other configurations still run
-                            failed[(n, rate, model, method)] = str(e)
+                            failed[(n, rate, model, method)] = (
+                                f"round {r + 1}/{rounds}: {e}" if rounds > 1 else str(e))
                             log(f"  {model} {method}: {e}")
                             continue
                         if link is None:
@@ -331,35 +348,44 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                                 f"alpha {link.latency * 1e3:.2f} ms, "
                                 f"{link.bandwidth / 1e6:.2f} MB/s")
                         result.update(_predict(result, method, n, link))
-                        measured[(n, rate, model, method)] = result
+                        measured.setdefault((n, rate, model, method), []).append(result)
                         loads.append(os.getloadavg()[0])
-                        log(f"  {model} {method}: step {result['step_seconds'] * 1e3:.1f} ms "
+                        log(f"  round {r + 1}/{rounds} {model} {method}: step "
+                            f"{result['step_seconds'] * 1e3:.1f} ms "
                             f"(predicted {result['predicted_step'] * 1e3:.1f}), compute "
                             f"{result['compute_seconds'] * 1e3:.1f} ms, exchange "
                             f"{result['comm_seconds'] * 1e3:.1f} ms, wire "
                             f"{result['wire_bytes_per_step'] / 1e6:.3f} MB, hidden "
                             f"{hidden_share(result):.2f}")
     load = (f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+    spread = {k: [x["step_seconds"] for x in v] for k, v in measured.items()}
+    measured = {k: sorted(v, key=lambda x: x["step_seconds"])[(len(v) - 1) // 2]
+                for k, v in measured.items()}
+    for k, r in measured.items():
+        r["round_steps"] = spread[k]
     return [row(f"cluster/{n} nodes/{rate:g} Gbit/s-eq/{model}/{method}: failed", float("nan"),
                 "-", error) for (n, rate, model, method), error in failed.items()
-            ] + _rows(measured, links, load, steps, bucket_bytes, row)
+            ] + _rows(measured, links, load, steps, bucket_bytes, row, rounds)
 
 
 def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
-          row) -> list[dict]:
+          row, rounds: int = 1) -> list[dict]:
     rows = []
     for (n, rate, model, method), r in measured.items():
         lk = links[(n, rate)]
         group = {k[3]: v for k, v in measured.items() if k[:3] == (n, rate, model)}
         fastest = min(group, key=lambda m: group[m]["step_seconds"])
-        name = f"cluster/{n} nodes/{rate:g} Gbit/s-eq/{model}/{method}"
+        name = config_name(n, rate, model, method)
         setup = (f"{n} nodes x 1 worker (1 intra + 1 inter-op thread, pinned to core k mod "
                  f"{os.cpu_count()}), {r['params']:,} params, global batch {r['global_batch']}; "
                  f"link {rate * RATE_SCALE * 1e3:g} Mbit/s each way (tc HTB, {rate:g} Gbit/s x "
                  f"{RATE_SCALE:g}; one TCP stream {lk['probe']['bytes_per_second'] * 8 / 1e6:.0f}"
                  f" Mbit/s, RTT {lk['probe']['rtt_seconds'] * 1e6:.0f} us; all-reduce alpha "
                  f"{lk['link'].latency * 1e3:.2f} ms, {lk['link'].bandwidth / 1e6:.2f} MB/s); "
-                 f"median of {steps} steps; {load}")
+                 f"median of {steps} steps"
+                 + (f", the median of {rounds} interleaved rounds (steps "
+                    + ", ".join(f"{x * 1e3:.1f}" for x in r["round_steps"]) + " ms)"
+                    if rounds > 1 else "") + f"; {load}")
         rows.append(row(f"{name}: step", r["step_seconds"] * 1e3, "ms",
                         f"{r['samples_per_second']:,.0f} samples/s; compute-only "
                         f"{r['compute_seconds'] * 1e3:.1f} ms, exchange alone "
@@ -438,13 +464,14 @@ def main(argv):
 
     nodes = [int(n) for n in FLAGS.nodes]
     rates = [float(r) for r in FLAGS.rates]
-    check_arguments(nodes, rates, FLAGS.models, FLAGS.methods, FLAGS.steps, FLAGS.bucket_bytes)
+    check_arguments(nodes, rates, FLAGS.models, FLAGS.methods, FLAGS.steps, FLAGS.bucket_bytes,
+                    FLAGS.rounds)
     problem = NetLab.available()
     if problem:
         print(f"bench_cluster: cannot build the simulated nodes here: {problem}", file=sys.stderr)
         return 1
     rows = run(nodes, rates, FLAGS.models, FLAGS.methods, steps=FLAGS.steps,
-               bucket_bytes=FLAGS.bucket_bytes)
+               bucket_bytes=FLAGS.bucket_bytes, rounds=FLAGS.rounds)
     print_rows(rows)
     if FLAGS.out:
         write_rows(FLAGS.out, rows, command="python -m experiments.bench_cluster " + " ".join(

@@ -169,3 +169,34 @@ def test_wait_for_workers_names_a_failed_or_stuck_worker_and_leaves_none():
     with pytest.raises(RuntimeError, match=r"^x: the workers did not finish in 1 s$"):
         wait_for_workers(stuck, timeout=1, label="x")
     assert not any(alive(p.pid) for p in stuck)
+
+
+def test_rounds_are_interleaved_and_each_configuration_keeps_its_median_round(monkeypatch):
+    """run(rounds=3) with the worker processes replaced: order rotated, median round kept."""
+    refused = namespaces_refused()
+    if refused:
+        pytest.skip(f"simulated nodes: {refused}")
+    shapes = [[784, 1024], [1024], [1024, 10], [10]]
+    order = []
+    steps = {"none": iter([0.9, 0.5, 0.7]), "fp16": iter([0.3, 0.4, 0.2])}
+
+    def fake_workers(lab, config, port):
+        order.append(config["method"])
+        step = next(steps[config["method"]])
+        return {"step_seconds": step, "compute_seconds": step / 10, "comm_seconds": step,
+                "wire_bytes_per_step": step * 1e7, "samples_per_second": 128 / step,
+                "params": 814090, "global_batch": 128, "shapes": shapes,
+                "calibration": [[16 << 10, 0.004], [1 << 20, 0.13], [4 << 20, 0.52]]}
+
+    monkeypatch.setattr(bench_cluster, "_run_workers", fake_workers)
+    rows = bench_cluster.run([2], [1.0], ["mlp"], ["none", "fp16"], steps=2, rounds=3,
+                             log=lambda *a: None)
+    assert order == ["none", "fp16", "fp16", "none", "none", "fp16"]
+    by_name = {r["name"]: r for r in rows}
+    none = by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/none: step"]
+    assert none["value"] == pytest.approx(700.0)
+    assert "the median of 3 interleaved rounds (steps 900.0, 500.0, 700.0 ms)" in none["note"]
+    # The median round's own figures, not a mix of rounds.
+    assert by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/fp16: wire"]["value"] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="--rounds must be >= 1. Received: rounds=0"):
+        bench_cluster.run([2], [1.0], ["mlp"], ["none"], steps=2, rounds=0)
