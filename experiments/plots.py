@@ -83,10 +83,7 @@ def cluster_points(data: dict) -> dict:
 
 
 def plot_efficiency(data: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     series = scaling_series(data)
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -98,24 +95,18 @@ def plot_efficiency(data: dict, path: str) -> str:
     ax.axhline(0.85, color="grey", linestyle=":", label="target 0.85")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({p[0] for ps in series.values() for p in ps}))
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("workers")
     ax.set_ylabel("efficiency (control step / step)")
     ax.set_title("Multi-worker efficiency vs N independent processes\n"
                  + _short(data.get("command", "")), fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_link_step(data: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     points = cluster_points(data)
     panels = sorted({(k[0], k[2]) for k in points})
@@ -134,17 +125,11 @@ def plot_link_step(data: dict, path: str) -> str:
         ax.legend(fontsize=7)
     fig.suptitle("Step time vs link rate per method\n" + _short(data.get("command", "")),
                  fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_predicted(data: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     points = {k: v for k, v in cluster_points(data).items()
               if "step" in v and "predicted/measured" in v}
@@ -166,6 +151,19 @@ def plot_predicted(data: dict, path: str) -> str:
     ax.set_title("Planner: predicted vs measured\n" + _short(data.get("command", "")),
                  fontsize=8)
     ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
