@@ -110,7 +110,8 @@ def plot_link_step(data: dict, path: str) -> str:
 
     points = cluster_points(data)
     panels = sorted({(k[0], k[2]) for k in points})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(5.5, 4.2 * len(panels)), 4.4),
+                             squeeze=False)
     for ax, (nodes, model) in zip(axes[0], panels):
         methods = sorted({k[3] for k in points if k[0] == nodes and k[2] == model})
         for method in methods:
@@ -119,6 +120,9 @@ def plot_link_step(data: dict, path: str) -> str:
             ax.plot([s[0] for s in series], [s[1] for s in series], marker="o", label=method)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        rates = sorted({k[1] for k in points if k[0] == nodes and k[2] == model})
+        ax.set_xticks(rates)
+        ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("link (Gbit/s-equivalent)")
         ax.set_ylabel("step (ms)")
         ax.set_title(f"{nodes} nodes, {model}", fontsize=9)
@@ -133,7 +137,7 @@ def plot_predicted(data: dict, path: str) -> str:
 
     points = {k: v for k, v in cluster_points(data).items()
               if "step" in v and "predicted/measured" in v}
-    fig, ax = plt.subplots(figsize=(5, 4.5))
+    fig, ax = plt.subplots(figsize=(5.5, 5))
     measured = [v["step"] for v in points.values()]
     for method in sorted({k[3] for k in points}):
         xs = [v["step"] for k, v in points.items() if k[3] == method]
@@ -170,8 +174,13 @@ def _save(plt, fig, path: str) -> str:
     return path
 
 
-def _short(text: str, width: int = 90) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
+def _short(text: str, width: int = 72) -> str:
+    """The command, wrapped to fit a title (three lines at most)."""
+    import textwrap
+
+    text = re.sub(r" --out=\S+", "", text.replace("python -m experiments.", ""))
+    lines = textwrap.wrap(text, width)
+    return "\n".join(lines[:3]) + ("..." if len(lines) > 3 else "")
 
 
 def make_plots(*, multiworker: str | None, cluster: str | None, out_dir: str,
