@@ -19,11 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def launch_workers(module: str, role: str, *, num_workers: int, timeout: float,
                    extra_args: tuple[str, ...] = (), env: dict | None = None,
                    what: str = "benchmark", tail_lines: int = 20,
-                   every_task: bool = False) -> dict:
+                   every_task: bool = False, python: str | None = None) -> dict:
     """`python -m <module> --role=<role> --worker_out=FILE` on `num_workers` tasks -> FILE's JSON.
 
     With `every_task`, the tasks other than the measuring one may write
     FILE.task<i> too; they come back as a list under "tasks" (task order).
+    `python`: the tasks' interpreter (default: this one), e.g. another
+    virtual environment's.
 
     Raises:
       RuntimeError: the launch failed or wrote no result, with the log's last lines.
@@ -37,7 +39,7 @@ def launch_workers(module: str, role: str, *, num_workers: int, timeout: float,
         full_env.update(env or {})
         log = io.StringIO()
         result = launch_lib.launch(
-            [sys.executable, "-m", module, f"--role={role}", f"--worker_out={out}",
+            [python or sys.executable, "-m", module, f"--role={role}", f"--worker_out={out}",
              *extra_args], num_workers=num_workers, timeout=timeout, env=full_env,
             stdout=log, stderr=log)
         if result.returncode != 0 or not os.path.exists(out):
