@@ -448,11 +448,11 @@ MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
 )
 
 
-# Strategies over several devices of this machine (the mirrored preset).
-LOCAL_FEATURES: tuple[Feature, ...] = (
+# Strategies whose fit reads a DistributedDataset (mirrored, multi_worker_mirrored).
+ITERATOR_FEATURES: tuple[Feature, ...] = (
     Feature("keras_epoch_iterator", "fit without steps_per_epoch builds one distributed data "
             "iterator per epoch instead of two (Keras discards the end-of-epoch one; each costs "
-            "a MultiDeviceIterator)",
+            "a MultiDeviceIterator, across workers an auto-sharded one)",
             when="always", fixes=("keras_epoch_iterator",),
             attach=_installs("keras_epoch_iterator")),
 )
@@ -495,7 +495,7 @@ def _one_device(options: config_lib.OneDeviceOptions):
     options=config_lib.MirroredOptions,
     summary="Synchronous data parallelism over this machine's devices (MirroredStrategy).",
     needs="1+ local devices (all GPUs, else all logical CPUs)",
-    features=LOCAL_FEATURES + COMMON_FEATURES + SYNC_FEATURES,
+    features=ITERATOR_FEATURES + COMMON_FEATURES + SYNC_FEATURES,
     fixes=("collective_keys",),
 )
 def _mirrored(options: config_lib.MirroredOptions):
@@ -540,7 +540,7 @@ register_preset(
     summary="Synchronous data parallelism over several processes/machines "
             "(MultiWorkerMirroredStrategy, ring all-reduce); Keras 3 fit fixed.",
     needs="TF_CONFIG with chief/worker tasks (set by `tfdist launch`); none for 1 worker",
-    features=MULTI_WORKER_FEATURES + COMMON_FEATURES + SYNC_FEATURES,
+    features=MULTI_WORKER_FEATURES + ITERATOR_FEATURES + COMMON_FEATURES + SYNC_FEATURES,
     factory="tfdist.multi_worker:build_strategy",
     fixes=("collective_keys",),  # a further strategy in a process that joined its cluster
 )

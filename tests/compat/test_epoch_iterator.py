@@ -92,3 +92,27 @@ def test_a_shuffled_dataset_passes_through():
         keras_epoch_iterator.install()
     assert fixed_builds == unfixed_builds
     assert np.abs(fixed - unfixed).max() == 0.0
+
+
+def test_multi_worker_preset_builds_one_iterator_per_epoch(monkeypatch):
+    # The multi_worker_mirrored preset installs the fix too: its fit reads an auto-sharded
+    # DistributedDataset (one worker here, no TF_CONFIG; tests/multi_worker/test_end_to_end.py
+    # trains numpy input on 2 workers with it: their weights equal one replica's).
+    import tensorflow as tf
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = tfdist.make_strategy("multi_worker_mirrored")
+    assert "keras_epoch_iterator" in tfdist.state_of(strategy).features
+    fixed, fixed_builds = _fit(strategy)
+    one_device, _ = _fit(None)
+    stock, stock_builds = _fit(tf.distribute.MultiWorkerMirroredStrategy())
+    _patch.uninstall(keras_epoch_iterator.NAMES)  # negative control
+    try:
+        unfixed, unfixed_builds = _fit(strategy)
+    finally:
+        keras_epoch_iterator.install()
+    assert unfixed_builds - fixed_builds == EPOCHS, (fixed_builds, unfixed_builds)
+    assert stock_builds == unfixed_builds
+    assert np.abs(fixed - one_device).max() < 1e-6
+    assert np.abs(fixed - unfixed).max() < 1e-6
+    assert np.abs(stock - one_device).max() < 1e-6
