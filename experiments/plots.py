@@ -96,11 +96,13 @@ def plot_efficiency(data: dict, path: str) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({p[0] for ps in series.values() for p in ps}))
     ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
-    ax.set_ylim(0, 1.1)
+    ax.set_ylim(0, max(1.1, max(p[3] for ps in series.values() for p in ps) * 1.05))
     ax.set_xlabel("workers")
     ax.set_ylabel("efficiency (control step / step)")
+    load = data.get("load_average")
     ax.set_title("Multi-worker efficiency vs N independent processes\n"
-                 + _short(data.get("command", "")), fontsize=8)
+                 + _short(data.get("command", ""))
+                 + (f"\nload average at the end {load[0]:.1f}" if load else ""), fontsize=8)
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
