@@ -29,7 +29,9 @@ Methods:
 - `per_value_logs`: the same with `keras_log_reduction` undone (one collective
   per log value, as Keras does);
 - `fp16`, `bf16`, `powersgd`: tfdist with `gradient_compression` (PowerSGD
-  rank 4, no warm-up steps).
+  rank 4, no warm-up steps);
+- `zero2`, `zero3`, `zero3_noremat`: tfdist with `shard="gradients"`,
+  `shard="parameters"`, and `shard="parameters", shard_remat=False`.
 
 Needs root, `ip`, `tc` and `nsenter`; without them it prints why and exits 1.
 The namespaces are removed when the program ends, on error too (their holder
@@ -58,6 +60,9 @@ METHODS = {
     "bf16": {"gradient_compression": "bf16"},
     "powersgd": {"gradient_compression": "powersgd", "powersgd_rank": 4,
                  "powersgd_warmup_steps": 0},
+    "zero2": {"shard": "gradients"},
+    "zero3": {"shard": "parameters"},
+    "zero3_noremat": {"shard": "parameters", "shard_remat": False},
 }
 RESULT_MARK = "BENCH_SHAPED_RESULT "
 WORKER_TIMEOUT = 600

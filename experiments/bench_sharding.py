@@ -8,8 +8,9 @@ load drifts hit all alike): an MLP trained with Adam under `mirrored` on 2
 replicas, logical CPUs /cpu:1 and /cpu:2 (the host /cpu:0 holds offloaded
 state), one intra-op thread and two inter-op threads per process:
 
-- shard = none, optimizer, gradients, parameters; and gradients with
-  offload="optimizer".
+- shard = none, optimizer, gradients, parameters; parameters with
+  shard_remat=False (gathered weights kept until the backward pass: no second
+  gather, no recomputed forward); and gradients with offload="optimizer".
 
 Rows: the median step time and its ratio to shard="none"; per replica
 device, the bytes of weights, reduced gradients and optimizer state read
@@ -36,8 +37,10 @@ from absl import app, flags
 
 from experiments.rows import print_rows, write_rows
 
-CONFIGS = (("none", "none"), ("optimizer", "none"), ("gradients", "none"),
-           ("parameters", "none"), ("gradients", "optimizer"))
+# (shard, offload, shard_remat)
+CONFIGS = (("none", "none", True), ("optimizer", "none", True), ("gradients", "none", True),
+           ("parameters", "none", True), ("parameters", "none", False),
+           ("gradients", "optimizer", True))
 STAGE = {"none": 0, "optimizer": 1, "gradients": 2, "parameters": 3}
 REPLICAS = ("/cpu:1", "/cpu:2")
 
@@ -48,7 +51,8 @@ def _define_flags():
     if "quick" not in _FLAGS:
         flags.DEFINE_bool("quick", False, "A small model, fewer rounds (smoke run).")
         flags.DEFINE_string("out", None, "Write the rows as JSON here.")
-        flags.DEFINE_string("worker", None, "Internal: run one configuration, SHARD:OFFLOAD.")
+        flags.DEFINE_string("worker", None,
+                            "Internal: run one configuration, SHARD:OFFLOAD:REMAT (0 or 1).")
 
 
 def _sizes(quick: bool) -> tuple[int, int, int]:
@@ -57,15 +61,16 @@ def _sizes(quick: bool) -> tuple[int, int, int]:
 
 
 def _name(config) -> str:
-    shard, offload = config
-    return shard if offload == "none" else f"{shard}+offload"
+    shard, offload, remat = config
+    name = shard if offload == "none" else f"{shard}+offload"
+    return name if remat else f"{name}_noremat"
 
 
 # --------------------------------------------------------------------------------- worker
 def _worker(config: str, quick: bool) -> int:
     import tfdist
 
-    shard, offload = config.split(":")
+    shard, offload, remat = config.split(":")
     tfdist.configure_logical_devices(3)
     tfdist.configure_threads(intra_op=1, inter_op=2)
     tf = tfdist.import_tensorflow()
@@ -77,6 +82,8 @@ def _worker(config: str, quick: bool) -> int:
 
     width, layers, batch = _sizes(quick)
     options = {} if shard == "none" else {"shard": shard, "offload": offload}
+    if remat == "0":
+        options["shard_remat"] = False
     strategy = tfdist.make_strategy("mirrored", devices=REPLICAS, **options)
     memory.record_gradients(strategy)  # shard="none" too: the same reading for every row
     with strategy.scope():
@@ -129,9 +136,10 @@ def _worker(config: str, quick: bool) -> int:
 
 # --------------------------------------------------------------------------------- driver
 def _start(config, quick: bool) -> subprocess.Popen:
-    shard, offload = config
+    shard, offload, remat = config
     return subprocess.Popen(
-        [sys.executable, "-m", "experiments.bench_sharding", f"--worker={shard}:{offload}"]
+        [sys.executable, "-m", "experiments.bench_sharding",
+         f"--worker={shard}:{offload}:{int(remat)}"]
         + (["--quick"] if quick else []),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         # The CPU allocator with statistics on every CPU (the peaks above).
@@ -163,7 +171,7 @@ def run(quick: bool) -> list[dict]:
     ready: dict = {}
     times: dict = {config: [] for config in CONFIGS}
     try:
-        # Started one after another: tracing five models at once would only thrash two cores.
+        # Started one after another: tracing six models at once would only thrash two cores.
         for config in CONFIGS:
             procs[config] = _start(config, quick)
             ready[config] = json.loads(_expect(procs[config], 900)[len("ready "):])
@@ -199,7 +207,9 @@ def run(quick: bool) -> list[dict]:
         if config != CONFIGS[0]:
             rows.append({"name": f"sharding/step_ratio_{name}", "value": step / base,
                          "unit": "x", "target": None, "ratio": None,
-                         "note": f"median step {step * 1e3:.1f} ms vs shard=none; same run"})
+                         "note": f"median step {step * 1e3:.1f} ms vs shard=none; same run"
+                                 + ("" if config[2] else "; shard_remat=False: each layer "
+                                    "keeps its gathered weights until its backward pass")})
         replica = sorted(d for d in info["state"] if any(d.endswith(r[-5:].upper())
                                                          for r in REPLICAS))[0]
         measured = info["state"][replica]

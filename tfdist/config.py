@@ -138,6 +138,12 @@ _SHARD_HELP = {
                "(ZeRO-Offload); none.",
     "shard_min_bytes": "mirrored, multi_worker_mirrored with --shard: variables smaller than "
                        f"this many bytes stay replicated (default {DEFAULT_SHARD_MIN_BYTES}).",
+    "shard_remat": "mirrored, multi_worker_mirrored with --shard=parameters: true (default): a "
+                   "layer drops the weights it gathered after its forward pass and gathers "
+                   "them again in the backward pass, recomputing its forward (keras.remat); "
+                   "false: it keeps them until its backward pass (no second gather, no "
+                   "recomputation; each layer's whole weights live in between, like FSDP's "
+                   "reshard_after_forward=False).",
 }
 
 
@@ -153,7 +159,7 @@ _CANNOT_SHARD = {
 def _misplaced(option: str, preset: str) -> str:
     """Why `option` is not an option of `preset`, and the fix."""
     takers = ", ".join(_presets_taking(option))
-    if option in ("shard", "offload", "shard_min_bytes"):
+    if option in ("shard", "offload", "shard_min_bytes", "shard_remat"):
         why = _CANNOT_SHARD.get(preset, "no synchronous replicas")
         return (f"{option} shards the training state over replicas that step together, so only "
                 f"{takers} take it; '{preset}' has {why}. Use --strategy=mirrored (one "
@@ -162,9 +168,16 @@ def _misplaced(option: str, preset: str) -> str:
 
 
 def _check_sharding(options: Any) -> None:
-    """Validates the shard/offload/shard_min_bytes fields of a synchronous preset."""
+    """Validates the shard/offload/shard_min_bytes/shard_remat fields of a synchronous preset."""
     parallelism_lib.check_sharding(options.shard, options.offload)
     _check_count("shard_min_bytes", options.shard_min_bytes, "shard every variable")
+    _check_bool("shard_remat", options.shard_remat)
+    if not options.shard_remat and options.shard != "parameters":
+        raise ValueError(
+            "shard_remat=False keeps the weights a layer gathered until its backward pass, so "
+            "it only applies to shard='parameters' (stage 3, the only stage that gathers "
+            f"weights per layer). Received: shard={options.shard!r}, shard_remat=False. Fix: "
+            "shard='parameters', or drop shard_remat.")
 
 
 # --- gradient compression and buckets (tfdist/comm/) -----------------------------------
@@ -267,6 +280,11 @@ class _DataParallelOptions(PresetOptions):
       offload: "optimizer" keeps the optimizer state and its update on the
         host CPU (needs `shard`); "none".
       shard_min_bytes: variables smaller than this stay replicated.
+      shard_remat: at shard="parameters", True (default) runs each layer that
+        owns sharded weights under keras.remat (gathered weights dropped after
+        the forward pass, gathered again and the forward recomputed in the
+        backward pass); False keeps the gathered weights until the backward
+        pass (faster, more memory between the two passes).
       gradient_compression: "none", "fp16", "bf16" or "powersgd": what the
         all-reduce sends (tfdist.comm; docs/performance.md says when each helps).
       powersgd_rank: PowerSGD's rank (default 4).
@@ -284,6 +302,8 @@ class _DataParallelOptions(PresetOptions):
                                          metadata={"help": _SHARD_HELP["offload"]})
     shard_min_bytes: int = dataclasses.field(default=DEFAULT_SHARD_MIN_BYTES, metadata={
         "help": _SHARD_HELP["shard_min_bytes"]})
+    shard_remat: bool = dataclasses.field(default=True, metadata={
+        "help": _SHARD_HELP["shard_remat"]})
     gradient_compression: GradientCompression = _comm_field("gradient_compression", "none")
     powersgd_rank: int | None = _comm_field("powersgd_rank", None)
     powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
@@ -311,7 +331,7 @@ class MirroredOptions(_DataParallelOptions):
         and "nccl" are GPU algorithms ("nccl" needs GPUs).
 
     And the shared data-parallel options (sync_batch_norm, shard, offload,
-    shard_min_bytes, gradient_compression, powersgd_rank,
+    shard_min_bytes, shard_remat, gradient_compression, powersgd_rank,
     powersgd_warmup_steps, bucket_bytes): see `_DataParallelOptions`.
     """
 

@@ -202,6 +202,28 @@ def memory_check(model, stage: int, offload: bool = False) -> dict:
             "host": plan.host_device if plan is not None else None}
 
 
+def gathers_per_step(model) -> int:
+    """All-gathers (CollectiveGatherV2 ops) in one replica's traced forward + backward pass."""
+    import keras
+
+    import tfdist
+
+    tf = tfdist.import_tensorflow()
+    strategy = model.distribute_strategy
+    x, y = data()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(features, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = tf.function(lambda: strategy.run(
+        step, args=(x[:GLOBAL_BATCH // 2], y[:GLOBAL_BATCH // 2]))).get_concrete_function().graph
+    gathers = [op for op in graph.get_operations() if op.type == "CollectiveGatherV2"]
+    return len(gathers) // strategy.num_replicas_in_sync
+
+
 def error_text(fn) -> str:
     try:
         fn()
@@ -220,6 +242,7 @@ def case_mirrored2(out: dict) -> None:
     import numpy as np
 
     import tfdist
+    from tfdist.compat import sharding_variables
 
     tfdist.configure_logical_devices(2)
     tf = tfdist.import_tensorflow()
@@ -242,6 +265,19 @@ def case_mirrored2(out: dict) -> None:
         }
         if optimizer == "adam":
             out["memory"][shard] = memory_check(model, stage_of[shard])
+
+    # shard_remat=False: each layer keeps the weights it gathered until its backward pass
+    # instead of gathering them again (and recomputing its forward) there; as exact.
+    kept = fit(make_model(sharded(2, shard="parameters", shard_remat=False), "adam"))
+    out["equal"]["adam/parameters/kept"] = {
+        "diff": max_diff(state(kept), single["adam"]),
+        "moved": max_diff(state(kept)[:len(kept.weights)], initial_weights()),
+        "replicas_identical": replicas_identical(kept),
+    }
+    out["gathers_per_step"] = {"remat": gathers_per_step(models[("adam", "parameters")]),
+                               "kept": gathers_per_step(kept)}
+    out["sharded_weights"] = sum(
+        sharding_variables.sharded_storage(v) is not None for v in kept.trainable_variables)
 
     # BatchNormalization: per-replica batch statistics, so the reference is unsharded mirrored.
     bn_none = fit(make_model(tfdist.make_strategy("mirrored", num_devices=2), "adam",

@@ -47,6 +47,14 @@ def test_options_default_to_no_sharding_and_validate():
     with pytest.raises(ValueError, match=r"shard_min_bytes must be an integer >= 0 .* "
                                          r"Received: shard_min_bytes=-1"):
         config_lib.MirroredOptions(shard="optimizer", shard_min_bytes=-1)
+    assert config_lib.MirroredOptions().shard_remat is True
+    assert not config_lib.MirroredOptions(shard="parameters", shard_remat=False).shard_remat
+    with pytest.raises(ValueError, match=r"only applies to shard='parameters' .* Received: "
+                                         r"shard='gradients', shard_remat=False. Fix: "):
+        config_lib.MultiWorkerMirroredOptions(shard="gradients", shard_remat=False)
+    with pytest.raises(ValueError, match=r"shard_remat must be True or False. Received: "
+                                         r"shard_remat='no'"):
+        config_lib.MirroredOptions(shard="parameters", shard_remat="no")
 
 
 @pytest.mark.parametrize("preset, why", [
@@ -76,6 +84,10 @@ def test_shard_flags_come_from_the_options():
     values(["prog", "--strategy=mirrored", "--shard=gradients", "--shard_min_bytes=0"])
     options = tfdist.flags.strategy_options_from_flags(values)
     assert (options.shard, options.shard_min_bytes) == ("gradients", 0)
+    values = flags.FlagValues()
+    tfdist.flags.define_flags(values)
+    values(["prog", "--strategy=mirrored", "--shard=parameters", "--noshard_remat"])
+    assert tfdist.flags.strategy_options_from_flags(values).shard_remat is False
     values = flags.FlagValues()
     tfdist.flags.define_flags(values)
     values(["prog", "--strategy=parameter_server", "--shard=optimizer"])

@@ -53,8 +53,13 @@ def test_two_replicas_equal_one_device(two):
     # update with an all-reduce in front).
     assert set(two["equal"]) == {"adam/optimizer", "adam/gradients", "adam/parameters",
                                  "sgdm/gradients", "sgdm/parameters", "adamw/gradients",
-                                 "adamw/parameters"}
+                                 "adamw/parameters", "adam/parameters/kept"}
     _check_equal(two["equal"])
+    # shard_remat=False (adam/parameters/kept, exact above) gathers each sharded weight once
+    # per step; under keras.remat each is gathered again in the backward pass.
+    gathers = two["gathers_per_step"]
+    assert two["sharded_weights"] <= gathers["kept"], gathers
+    assert gathers["remat"] - gathers["kept"] >= two["sharded_weights"], gathers
     assert all(row["moved"] > 100 * TOL for row in two["equal"].values())  # it trained
     assert two["batchnorm_diff"] < TOL
     assert two["custom_loop_diff"] < TOL

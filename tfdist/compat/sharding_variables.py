@@ -38,8 +38,10 @@ object belongs to a strategy tfdist made with sharding on:
 - `Operation.__call__` (what `Layer.__call__` runs `call` through): a layer
   that owns stage-3 weights runs `call` under `keras.remat`, so the weights
   it gathers are dropped after the forward pass and gathered again for the
-  backward pass (the FSDP idea; the layer's forward runs twice); a layer
-  type tfdist cannot gather this way is refused by name.
+  backward pass (the FSDP idea; the layer's forward runs twice). A layer not
+  known to be pure, and every layer when the strategy's plan says
+  `remat=False` (`shard_remat=False`), runs as written instead: each read
+  gathers, and the tape keeps the gathered weights until the backward pass.
 
 No upstream issue: Keras's TensorFlow backend has no sharded data
 parallelism (its `distribution_lib` is marked "DO NOT USE"). Verified on the
@@ -731,6 +733,14 @@ def _note_kept(layer) -> None:
         cls.__name__)
 
 
+def _remat(strategy) -> bool:
+    """False where the strategy keeps gathered weights until the backward pass (shard_remat)."""
+    from tfdist.sharding import plan as plan_lib
+
+    plan = plan_lib.plan_of(strategy)
+    return plan is None or plan.remat
+
+
 def _call_make(original):
     import keras
 
@@ -743,11 +753,13 @@ def _call_make(original):
         strategy = _own_sharded(self)[0]._value._strategy
         if not _strategy_replica_context(strategy):
             return original(self, *args, **kwargs)
-        if not registry.is_gatherable(self):
+        gatherable = registry.is_gatherable(self)
+        if not gatherable or not _remat(strategy):
             # Each read of a sharded weight gathers it (gather_parameter); the tape keeps
             # the gathered value for the backward pass, and the layer's state updates and
             # random draws happen once, as without sharding.
-            _note_kept(self)
+            if not gatherable:
+                _note_kept(self)
             with _layer_graph():
                 return original(self, *args, **kwargs)
         # keras.remat differentiates its positional arguments: pass the float tensors

@@ -75,7 +75,7 @@ def attach(strategy: Any, options: Any) -> ShardingPlan | None:
     plan = ShardingPlan(shard=options.shard, offload=options.offload != "none",
                         min_bytes=options.shard_min_bytes, num_replicas=layout.num_replicas,
                         local_devices=layout.local_devices, ranks=layout.ranks,
-                        host_device=host)
+                        host_device=host, remat=getattr(options, "shard_remat", True))
     sharding_variables.install()
     optimizer_update.install()
     plan_lib.register(strategy, plan)

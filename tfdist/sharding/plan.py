@@ -29,6 +29,9 @@ class ShardingPlan:
       local_devices: this process's replica devices, in replica order.
       ranks: each local replica's rank (which shard it owns), in replica order.
       host_device: this process's CPU (where offloaded state lives).
+      remat: stage 3: layers owning sharded weights run under keras.remat
+        (gathered weights dropped after the forward pass, gathered again in
+        the backward pass); False keeps them until the backward pass.
     """
 
     shard: str
@@ -38,6 +41,7 @@ class ShardingPlan:
     local_devices: tuple[str, ...]
     ranks: tuple[int, ...]
     host_device: str
+    remat: bool = True
 
     @property
     def stage(self) -> int:
