@@ -1,0 +1,174 @@
+"""Where ZeRO stage 3's step time goes: `python -m experiments.sharding_breakdown`.
+
+    python -m experiments.sharding_breakdown [--rounds=5] [--steps=10]
+
+bench_sharding's model and setup (MLP 4 x Dense(1024) + Dense(16), Adam,
+global batch 256, `mirrored` on logical CPUs /cpu:1 and /cpu:2, intra-op 1 and
+inter-op 2 threads per process), one process per configuration, all alive
+at once and measured in interleaved rounds:
+
+- `none`; `parameters` (each sharded layer under keras.remat);
+  `parameters_noremat` (`shard_remat=False`); `none_remat` (no sharding, each
+  Dense under `keras.remat`: the recomputed forward pass alone);
+- in the `none` process, the collectives alone, one `tf.function` running both
+  replicas: 8 all-gathers of 2 MB blocks (stage 3's forward and backward
+  gathers of the four 4 MB kernels), the same bytes in 2 all-gathers, 4
+  reduce-scatters of 4 MB (tfdist's all-to-all + sum) and one all-reduce of
+  the model's 16.9 MB of gradients.
+
+Prints each median (ms), each step's ratio to `none`, the allocator peak of
+one step (whole process, TF_CPU_ALLOCATOR_USE_BFC=1) and the load average.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+VARIANTS = ("none", "parameters", "parameters_noremat", "none_remat")
+WIDTH, LAYERS, BATCH = 1024, 4, 256
+
+_FLAGS = flags.FLAGS
+flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
+flags.DEFINE_integer("steps", 10, "Timed calls per configuration per round.")
+flags.DEFINE_string("worker", None, "Internal: run one variant.")
+
+
+def _worker(variant: str) -> None:
+    import tfdist
+
+    tfdist.configure_logical_devices(3)
+    tfdist.configure_threads(intra_op=1, inter_op=2)
+    tf = tfdist.import_tensorflow()
+    import keras
+    import numpy as np
+
+    from tfdist.compat import sharding_collectives as collectives
+
+    options = {}
+    if variant.startswith("parameters"):
+        options = {"shard": "parameters", "shard_remat": variant == "parameters"}
+    strategy = tfdist.make_strategy("mirrored", devices=("/cpu:1", "/cpu:2"), **options)
+    dense = keras.layers.Dense
+    if variant == "none_remat":
+        class RematDense(keras.layers.Dense):
+            def call(self, x):
+                return keras.remat(super().call)(x)
+        dense = RematDense
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((WIDTH,))
+        x = inputs
+        for _ in range(LAYERS):
+            x = dense(WIDTH, activation="relu")(x)
+        model = keras.Model(inputs, keras.layers.Dense(16)(x))
+        model.compile(keras.optimizers.Adam(1e-4), "mse")
+    rng = np.random.default_rng(0)
+    data = tf.data.Dataset.from_tensors(
+        (rng.standard_normal((BATCH, WIDTH)).astype("float32"),
+         rng.standard_normal((BATCH, 16)).astype("float32"))).repeat()
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)  # trace, warm up
+    step = model.make_train_function()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    step(iterator)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    timed = {"step": lambda: float(step(iterator)["loss"])}
+    if variant == "none":
+        kernel = WIDTH * WIDTH
+        params = sum(int(v.shape.num_elements()) for v in model.trainable_variables)
+
+        def gathers(count, block):
+            return lambda: tf.add_n([tf.reduce_sum(collectives.all_gather(
+                strategy, tf.fill([block], float(i)))) for i in range(count)])
+
+        def scatters():
+            return tf.add_n([tf.reduce_sum(collectives.reduce_scatter(
+                strategy, tf.fill([kernel], float(i)))) for i in range(LAYERS)])
+
+        def all_reduce():
+            context = tf.distribute.get_replica_context()
+            return tf.reduce_sum(context.all_reduce("sum", tf.ones([params])))
+
+        for name, fn in (("8_gathers_2MB", gathers(2 * LAYERS, kernel // 2)),
+                         ("2_gathers_8MB", gathers(2, LAYERS * kernel // 2)),
+                         ("4_reduce_scatters_4MB", scatters),
+                         ("all_reduce_16.9MB", all_reduce)):
+            function = tf.function(lambda fn=fn: strategy.run(fn))
+            function()
+            timed[name] = lambda function=function: [
+                t.numpy() for t in strategy.experimental_local_results(function())]
+    print("ready " + json.dumps({"peak": peak}), flush=True)
+    for line in sys.stdin:
+        if line.split()[:1] != ["run"]:
+            break
+        out = {}
+        for name, fn in timed.items():
+            times = []
+            for _ in range(int(line.split()[1])):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            out[name] = times
+        print(json.dumps(out), flush=True)
+
+
+def _read(proc, prefix: str) -> str:
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"breakdown worker exited (code {proc.wait()})")
+        if line.startswith(prefix):
+            return line
+
+
+def main(argv) -> int:
+    del argv
+    if _FLAGS.worker:
+        _worker(_FLAGS.worker)
+        return 0
+    import numpy as np
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    procs, peaks, times = {}, {}, {v: {} for v in VARIANTS}
+    try:
+        for variant in VARIANTS:  # one after another: tracing four models at once thrashes
+            procs[variant] = subprocess.Popen(
+                [sys.executable, "-m", "experiments.sharding_breakdown", f"--worker={variant}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+            peaks[variant] = json.loads(_read(procs[variant], "ready ")[6:])["peak"]
+        for _ in range(_FLAGS.rounds):
+            for variant, proc in procs.items():
+                proc.stdin.write(f"run {_FLAGS.steps}\n")
+                proc.stdin.flush()
+                for name, values in json.loads(_read(proc, "{")).items():
+                    times[variant].setdefault(name, []).extend(values)
+        for proc in procs.values():
+            proc.stdin.write("quit\n")
+            proc.stdin.flush()
+            proc.wait(timeout=600)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    base = float(np.median(times["none"]["step"]))
+    for variant in VARIANTS:
+        for name, values in times[variant].items():
+            median = float(np.median(values))
+            ratio = f"  {median / base:.3f} x none" if name == "step" else ""
+            print(f"{variant:20s} {name:22s} {median * 1e3:8.2f} ms{ratio}")
+        print(f"{variant:20s} {'allocator peak':22s} {peaks[variant] / 2**20:8.1f} MB")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
