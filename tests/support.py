@@ -24,6 +24,29 @@ def run_python(*args: str, timeout: float = 120, env: dict | None = None
                           text=True, timeout=timeout)
 
 
+def run_in_own_session(*args: str, timeout: float) -> tuple[int, str, bool]:
+    """`python ARGS` from the repository root in a session of its own.
+
+    Returns (exit code, stdout and stderr together, whether any process of the session
+    outlived it). On a timeout every process of the session is killed with it.
+    """
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            left = True
+        except ProcessLookupError:
+            left = False
+        proc.wait()
+    return proc.returncode, log, left
+
+
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie counts as gone): for no-orphan checks."""
     try:

@@ -5,38 +5,25 @@ exist, their efficiencies are finite and positive, and worker 0 counted its coll
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from experiments import bench_multiworker as bench
-from tests.support import REPO
+from tests.support import REPO, run_in_own_session
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_scaling_curve_rows_at_1_and_2_workers(tmp_path):
     out = tmp_path / "rows.json"
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # Its own session: on a timeout every process of the run (workers, the control's
     # processes) goes with it, and none may be left once it ends.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments.bench_multiworker", "--scaling_only",
-         "--models=tiny", "--workers=1,2", "--rounds=1", "--quick", f"--out={out}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=360)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-            left = True
-        except ProcessLookupError:
-            left = False
-        proc.wait()
-    assert proc.returncode == 0, log[-4000:]
+    code, log, left = run_in_own_session(
+        "-m", "experiments.bench_multiworker", "--scaling_only", "--models=tiny",
+        "--workers=1,2", "--rounds=1", "--quick", f"--out={out}", timeout=360)
+    assert code == 0, log[-4000:]
     assert not left, "processes of the run outlived it"
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["rows"]}

@@ -7,14 +7,11 @@ workers end with the same weights."""
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from experiments import bench_peers as bench
-from tests.support import REPO
+from tests.support import run_in_own_session
 
 JAX_PYTHON = os.environ.get("TFDIST_JAX_PYTHON", "")
 
@@ -23,22 +20,10 @@ def _run(tmp_path, configs: str, *extra: str, timeout: float = 300) -> tuple[dic
     """The benchmark's command line in its own session -> (rows by name, its log). On a
     timeout every process of the run goes with it, and none may be left once it ends."""
     out = tmp_path / "rows.json"
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments.bench_peers", "--rounds=1", "--steps=3",
-         f"--configs={configs}", f"--out={out}", "--timeout=240", *extra],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-            left = True
-        except ProcessLookupError:
-            left = False
-        proc.wait()
-    assert proc.returncode == 0, log[-4000:]
+    code, log, left = run_in_own_session(
+        "-m", "experiments.bench_peers", "--rounds=1", "--steps=3", f"--configs={configs}",
+        f"--out={out}", "--timeout=240", *extra, timeout=timeout)
+    assert code == 0, log[-4000:]
     assert not left, "processes of the run outlived it"
     return {r["name"]: r for r in json.loads(out.read_text())["rows"]}, log
 
