@@ -50,6 +50,13 @@ def _max_difference(a, b) -> float:
     return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b))
 
 
+def _about(per_step: float, expected: float) -> bool:
+    """`expected` collectives per step over the profiled window (8 or 11 steps), or one fewer
+    in all: the profiler can stop before the last step's last collective is recorded (fit
+    returns before a step's ops finish). Packed (2) and per-value (4) stay apart."""
+    return expected - 1 / 8 - 1e-9 <= per_step <= expected + 1e-9
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_one_collective_for_the_logs_and_the_same_logs_as_one_device(workers, one_device):
@@ -59,9 +66,9 @@ def test_one_collective_for_the_logs_and_the_same_logs_as_one_device(workers, on
     counts = {name: [w[name]["collectives_per_step"] for w in workers]
               for name in ("packed", "unpacked")}
     # The gradients' all-reduce and one for loss, mae and mse together ...
-    assert counts["packed"] == [2, None], counts
+    assert _about(counts["packed"][0], 2) and counts["packed"][1] is None, counts
     # ... where the per-value path (the canary) still runs one per value.
-    assert counts["unpacked"] == [4, None], (
+    assert _about(counts["unpacked"][0], 4) and counts["unpacked"][1] is None, (
         "without keras_log_reduction a step no longer runs one collective per log value: "
         f"re-check whether the fix is still needed. {counts}")
     for worker in workers:
@@ -86,7 +93,7 @@ def test_one_collective_for_the_logs_and_the_same_logs_as_one_device(workers, on
 def test_steps_per_execution_reduces_only_the_last_steps_logs(workers, one_device):
     ref_logs, ref_weights = one_device
     # Per execution of 4 steps: 4 gradient all-reduces and one of the logs (worker 0 profiles).
-    assert workers[0]["spe4"]["collectives_per_step"] == pytest.approx(5 / 4), workers[0]
+    assert _about(workers[0]["spe4"]["collectives_per_step"], 5 / 4), workers[0]
     assert workers[1]["spe4"]["collectives_per_step"] is None
     for worker in workers:
         spe = worker["spe4"]
