@@ -2,7 +2,7 @@
 
     python -m experiments.bench_multiworker [--quick] [--out results/bench_multiworker.json]
     python -m experiments.bench_multiworker --scaling_only --models=tiny \
-        --workers=1,2,4,8,16 [--rounds=3]
+        --workers=1,2,4,8,16 [--rounds=3] [--input=global|per_worker]
 
 1. All-reduce between 2 local worker processes (MultiWorkerMirroredStrategy,
    ring) for message sizes 1 KB ... 64 MB: median seconds per all-reduce,
@@ -27,7 +27,14 @@
    profiles a few more steps and counts its collectives per step, in order:
    TensorFlow 2.21's profiler can crash in tf.profiler.experimental.stop()
    when several processes profile at once, so no other process profiles (of
-   the control's processes, only the first).
+   the control's processes, only the first). Every process also times its
+   input pipeline alone (the same dataset, distributed the same way, with no
+   step): with `--input=global` (the default; arrays on every worker, as
+   `fit` on numpy or `from_tensor_slices` gives) TensorFlow's DATA auto-shard
+   makes each worker's pipeline build every worker's batch and keep its own,
+   so that cost grows with N; `--input=per_worker` gives each worker its own
+   examples (auto-shard off), as `distribute_datasets_from_function` or
+   sharded files do.
 
 Workers are started with tfdist's launcher; each runs this file with
 --role=allreduce|scaling and worker 0 writes its measurements to a file
@@ -68,6 +75,9 @@ def _define_flags() -> None:
                       "and/or conv (the compute-bound model of the 2-worker rows).")
     flags.DEFINE_integer("rounds", None, "Interleaved rounds of the scaling curve; each "
                          "figure is the median (default 3, 1 with --quick).")
+    flags.DEFINE_enum("input", "global", list(INPUTS),
+                      "The scaling curve's input: " + "; ".join(
+                          f"{k}: {v}" for k, v in INPUTS.items()) + ".")
 
 
 FLAGS = flags.FLAGS
@@ -130,6 +140,16 @@ def _allreduce_worker(quick: bool, out: str) -> None:
 
 
 
+# How each worker of the scaling curve gets its examples.
+INPUTS = {
+    "global": "every worker holds the whole arrays and batches the global batch; "
+              "TensorFlow's DATA auto-shard gives it 1/N of each (so each worker's "
+              "pipeline reads N x its own examples per step)",
+    "per_worker": "each worker holds its own examples (auto-shard off), as "
+                  "distribute_datasets_from_function or sharded files give; its pipeline "
+                  "reads only its own",
+}
+INPUT_STEPS = (5, 20)  # batches timed by the input-only measurement (quick, full)
 SCALING_VARIANTS = ("tfdist", "tfdist_unpacked", "stock", "control")
 VARIANT_NOTES = {
     "tfdist": "tfdist multi_worker_mirrored preset, model.fit",
@@ -223,10 +243,7 @@ def _scaling_worker(config: dict, out: str) -> None:
     workers = strategy.num_replicas_in_sync
     spec = SCALING_MODELS[name]
     global_batch = spec["per_worker_batch"] * workers
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((global_batch * 4, *spec["input"])).astype("float32")
-    y = rng.integers(0, 10, size=(global_batch * 4,)).astype("int32")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch)
+    ds = scaling_dataset(tf, name, workers, task_id, config.get("input", "global"))
     steps = spec["steps"][0 if quick else 1]
     epochs = 3 if quick else 5  # the first traces and is not timed
     with strategy.scope():
@@ -302,9 +319,20 @@ def _scaling_worker(config: dict, out: str) -> None:
         model.fit(ds, epochs=1, steps_per_epoch=PROFILE_STEPS + 1, verbose=0,
                   callbacks=[Profile()])
     step_seconds = statistics.median(seconds) / steps
+    # The input pipeline alone, as the step sees it: the same dataset distributed the
+    # same way (no collective: each worker pulls its own batches).
+    input_iterator = iter(strategy.experimental_distribute_dataset(ds))
+    for _ in range(3):
+        next(input_iterator)
+    input_steps = INPUT_STEPS[0 if quick else 1]
+    start = time.perf_counter()
+    for _ in range(input_steps):
+        next(input_iterator)
+    input_seconds = (time.perf_counter() - start) / input_steps
     result = {"workers": workers, "variant": variant, "model": name, "task": task_id,
               "pinned": pinned, "steps": steps, "timed_epochs": len(seconds),
               "step_seconds": step_seconds, "samples_per_sec": global_batch / step_seconds,
+              "input_seconds_per_step": input_seconds, "input": config.get("input", "global"),
               "cpu_seconds_per_step": statistics.median(cpu) / steps,
               "threads": len(os.listdir("/proc/self/task")),
               "gradient_bytes": 4 * sum(int(np.prod(w.shape))
@@ -318,6 +346,35 @@ def _scaling_worker(config: dict, out: str) -> None:
             json.dump(result, f)
 
 
+def scaling_dataset(tf, model: str, workers: int, task_id: int, input_mode: str):
+    """The scaling curve's dataset on one worker: batches of the global batch (N x the
+    per-worker batch), which the strategy splits so that each worker steps on its own
+    per-worker batch.
+
+    "global": the same arrays on every worker (seed 0), 4 global batches of them, and
+    TensorFlow's default auto-shard (DATA for in-memory data: each worker builds every
+    global batch and keeps its 1/N). "per_worker": 4 global batches of this worker's own
+    examples (seed = its task index) with auto-shard off, so each worker's pipeline only
+    reads what it steps on.
+    """
+    import numpy as np
+
+    if input_mode not in INPUTS:
+        raise ValueError(f"--input must be one of {', '.join(INPUTS)}. Received: {input_mode!r}")
+    spec = SCALING_MODELS[model]
+    global_batch = spec["per_worker_batch"] * workers
+    rng = np.random.default_rng(0 if input_mode == "global" else task_id)
+    x = rng.standard_normal((global_batch * 4, *spec["input"])).astype("float32")
+    y = rng.integers(0, 10, size=(global_batch * 4,)).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch)
+    if input_mode == "per_worker":
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF)
+        ds = ds.with_options(options)
+    return ds
+
+
 # --- parent side -----------------------------------------------------------------------
 
 
@@ -327,11 +384,13 @@ def _launch_role(role: str, num_workers: int, quick: bool) -> dict:
                           tail_lines=30)
 
 
-def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool) -> dict:
+def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool,
+                    input_mode: str = "global") -> dict:
     """One point of the scaling curve: worker 0's result ({"step_seconds", ...}, with its
     collectives), every task's under "tasks" (task order) and "step_seconds" the tasks'
     mean step."""
-    config = json.dumps({"model": model, "variant": variant, "quick": quick})
+    config = json.dumps({"model": model, "variant": variant, "quick": quick,
+                         "input": input_mode})
     if variant != "control":
         first = launch_workers("experiments.bench_multiworker", "scaling",
                                num_workers=num_workers, timeout=SCALING_TIMEOUT,
@@ -349,6 +408,8 @@ def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool) -> 
     first["worker0_step_seconds"] = first["step_seconds"]
     first["step_seconds"] = statistics.mean(r["step_seconds"] for r in results)
     first["cpu_seconds_per_step"] = statistics.mean(r["cpu_seconds_per_step"] for r in results)
+    first["input_seconds_per_step"] = statistics.mean(r["input_seconds_per_step"]
+                                                      for r in results)
     first["samples_per_sec"] = sum(SCALING_MODELS[model]["per_worker_batch"] / r["step_seconds"]
                                    for r in results)
     first["tasks"] = results
@@ -400,7 +461,8 @@ def _run_control(config: str, num_workers: int) -> list[dict]:
 
 
 def scaling_curve(models: list[str], workers: list[int], *, rounds: int, quick: bool,
-                  variants: tuple[str, ...] = SCALING_VARIANTS, log=print) -> dict:
+                  variants: tuple[str, ...] = SCALING_VARIANTS, input_mode: str = "global",
+                  log=print) -> dict:
     """{model: {variant: {N: [result per round]}}}, every configuration once per round.
 
     At N = 1 only tfdist and stock run (the control is the 1-worker tfdist run; with
@@ -414,10 +476,11 @@ def scaling_curve(models: list[str], workers: list[int], *, rounds: int, quick: 
                 chosen = [v for v in variants if n > 1 or v in ("tfdist", "stock")]
                 k = r % len(chosen)
                 for variant in chosen[k:] + chosen[:k]:
-                    result = _launch_scaling(model, variant, n, quick)
+                    result = _launch_scaling(model, variant, n, quick, input_mode)
                     curve[model][variant][n].append(result)
                     log(f"scaling round {r + 1}/{rounds} {model} N={n} {variant}: "
-                        f"{result['step_seconds'] * 1e3:.1f} ms/step, "
+                        f"{result['step_seconds'] * 1e3:.1f} ms/step, input "
+                        f"{result['input_seconds_per_step'] * 1e3:.2f} ms/step, "
                         f"{result.get('collectives_per_step', float('nan')):.1f} "
                         "collectives/step on worker 0", flush=True)
     return curve
@@ -458,6 +521,8 @@ def scaling_table(curve: dict) -> dict:
                 "vs_1": {v: ones[v] / r["step_seconds"] for v, r in med.items()
                          if v != "control"},
                 "cpu_ms": {v: r["cpu_seconds_per_step"] * 1e3 for v, r in med.items()},
+                "input_ms": {v: r["input_seconds_per_step"] * 1e3 for v, r in med.items()},
+                "input": med["tfdist"].get("input", "global"),
                 "collectives": {v: (r["collectives_per_step"], r["collective_order"],
                                     r["collective_ms"])
                                 for v, r in med.items() if "collectives_per_step" in r},
@@ -494,12 +559,16 @@ def scaling_rows(curve: dict, *, rounds: int) -> list[dict]:
                     + ", ".join(f"{x:.2f}" for x in t["rounds"][variant])
                     + f" ms); vs its own 1-worker step {t['vs_1'][variant]:.2f}; worker 0 "
                     f"{count:.1f} collectives per step [{order_text}], "
-                    f"{t['threads'][variant]} threads; " + _baseline_note(model, n)))
+                    f"{t['threads'][variant]} threads; input pipeline alone "
+                    f"{t['input_ms'][variant]:.2f} ms per step per worker (control "
+                    f"{t['input_ms'].get('control', t['input_ms'][variant]):.2f}; input "
+                    f"{t['input']}: {INPUTS[t['input']]}); " + _baseline_note(model, n)))
     return rows
 
 
 def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
-                  variants: tuple[str, ...] = SCALING_VARIANTS) -> tuple[list[dict], dict]:
+                  variants: tuple[str, ...] = SCALING_VARIANTS,
+                  input_mode: str = "global") -> tuple[list[dict], dict]:
     """The scaling curve's rows and its table (see scaling_table)."""
     workers = check_worker_counts(workers or ((1, 2) if quick else (1, 2, 4, 8)))
     rounds = (1 if quick else 3) if rounds is None else rounds
@@ -509,7 +578,10 @@ def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
                          f"Received: {','.join(models)!r}")
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1. Received: {rounds}")
-    curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants)
+    if input_mode not in INPUTS:
+        raise ValueError(f"--input must be one of {', '.join(INPUTS)}. Received: {input_mode!r}")
+    curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants,
+                          input_mode=input_mode)
     return scaling_rows(curve, rounds=rounds), curve
 
 
@@ -641,8 +713,10 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
-def _scaling_only(quick: bool, models: list[str], workers, rounds) -> tuple[list[dict], dict]:
-    rows, curve = _scaling_part(quick, models=models, workers=workers, rounds=rounds)
+def _scaling_only(quick: bool, models: list[str], workers, rounds,
+                  input_mode: str = "global") -> tuple[list[dict], dict]:
+    rows, curve = _scaling_part(quick, models=models, workers=workers, rounds=rounds,
+                                input_mode=input_mode)
     if "conv" in curve and 2 in curve["conv"]["tfdist"]:
         rows += two_vs_one_rows(curve)
     return rows, scaling_table(curve)
@@ -655,7 +729,7 @@ def format_table(table: dict) -> str:
         lines += [f"{model}:", "",
                   "| N | tfdist ms | tfdist_unpacked ms | stock ms | control ms | efficiency "
                   "tfdist | tfdist_unpacked | stock | collectives/step tfdist, unpacked, "
-                  "stock |", "|---" * 9 + "|"]
+                  "stock | input alone ms, tfdist / control |", "|---" * 10 + "|"]
         for n, t in by_n.items():
             def ms(v, t=t):
                 return f"{t['step_ms'][v]:.2f}" if v in t["step_ms"] else "-"
@@ -667,7 +741,8 @@ def format_table(table: dict) -> str:
                                else "-" for v in ("tfdist", "tfdist_unpacked", "stock"))
             lines.append(f"| {n} | {ms('tfdist')} | {ms('tfdist_unpacked')} | {ms('stock')} | "
                          f"{t['control_ms']:.2f} | {eff('tfdist')} | {eff('tfdist_unpacked')} "
-                         f"| {eff('stock')} | {counts} |")
+                         f"| {eff('stock')} | {counts} | {t['input_ms']['tfdist']:.2f} / "
+                         f"{t['input_ms'].get('control', t['input_ms']['tfdist']):.2f} |")
         lines.append("")
         for n, t in by_n.items():
             for v, (count, order, _) in t["collectives"].items():
@@ -685,7 +760,8 @@ def main(argv):
         return _scaling_worker(json.loads(FLAGS.config), FLAGS.worker_out)
     details = {}
     if FLAGS.scaling_only:
-        rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds)
+        rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds,
+                                    FLAGS.input)
         details["scaling"] = table
     else:
         rows = run(FLAGS.quick)

@@ -51,7 +51,36 @@ def test_scaling_curve_rows_at_1_and_2_workers(tmp_path):
     counts = {v: c[0] for v, c in two["collectives"].items()}
     assert counts == {"tfdist": 2.0, "tfdist_unpacked": 3.0, "stock": 2.0, "control": 0.0}
     assert table["1"]["collectives"]["tfdist"][0] == 0.0
+    # Every process timed its input pipeline alone; the rows say which input it was.
+    assert all(math.isfinite(ms) and ms > 0 for ms in two["input_ms"].values())
+    assert two["input"] == "global"
+    assert "input pipeline alone" in rows["scaling_tiny_2workers_tfdist_efficiency"]["note"]
     assert "| 2 |" in log and "N=2 tfdist: worker 0, 2.0 collectives/step" in log
+
+
+def test_scaling_inputs_give_each_worker_its_batches():
+    """--input=global: the same arrays on every worker, TensorFlow's default auto-shard
+    (DATA); --input=per_worker: each worker's own examples, auto-shard off. Both batch the
+    global batch, which the strategy splits into per-worker batches."""
+    import numpy as np
+    import tensorflow as tf
+
+    per = bench.SCALING_MODELS["tiny"]["per_worker_batch"]
+    off = tf.data.experimental.AutoShardPolicy.OFF
+    shards = {}
+    for mode in ("global", "per_worker"):
+        for task in (0, 1):
+            ds = bench.scaling_dataset(tf, "tiny", 2, task, mode)
+            x, y = next(iter(ds))
+            assert x.shape == (2 * per, 8) and y.shape == (2 * per,)
+            policy = ds.options().experimental_distribute.auto_shard_policy
+            assert (policy == off) == (mode == "per_worker"), (mode, policy)
+            shards[mode, task] = x.numpy()
+    np.testing.assert_array_equal(shards["global", 0], shards["global", 1])
+    assert not np.array_equal(shards["per_worker", 0], shards["per_worker", 1])
+    with pytest.raises(ValueError, match=r"--input must be one of global, per_worker. "
+                                         r"Received: 'local'"):
+        bench._scaling_part(True, models=("tiny",), workers=["1"], input_mode="local")
 
 
 def test_bad_worker_counts_and_models_name_what_was_received():
