@@ -13,7 +13,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def _scaling_json(tmp_path):
     """bench_multiworker's --out file: its scaling_table of a made-up curve, through JSON."""
     def result(ms):
-        return {"step_seconds": ms / 1e3, "cpu_seconds_per_step": ms / 1e3, "threads": 40}
+        return {"step_seconds": ms / 1e3, "cpu_seconds_per_step": ms / 1e3, "threads": 40,
+                "input_seconds_per_step": 1e-3}
 
     curve = {"tiny": {
         "tfdist": {1: [result(2.0)] * 3, 2: [result(8.0), result(9.0), result(10.0)]},
