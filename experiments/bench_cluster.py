@@ -1,6 +1,6 @@
 """A simulated cluster with rate-limited links: `python -m experiments.bench_cluster`.
 
-    python -m experiments.bench_cluster [--nodes=2,4] [--rates=1,10] [--models=mlp,conv]
+    python -m experiments.bench_cluster [--nodes=2,4] [--rates=1,10] [--models=mlp,conv,bert]
         [--methods=none,buckets,fp16,bf16,powersgd] [--steps=8] [--rounds=1]
         [--out=results/bench_cluster.json]
 
@@ -16,6 +16,14 @@ a node here is one core, a real node is taken to be 16 such cores (the
 16-core machine of the scaling measurements), so a real link of R Gbit/s is
 shaped to R/16 here and communication takes the same share of a step as it
 would there: 1 Gbit/s-equivalent -> 62.5 Mbit/s, 10 -> 625 Mbit/s.
+
+Models: `mlp` (784-1024-1024-512-10, Adam, 64 examples per worker), `conv` (4 x Conv2D(32)
+on 32x32x16, SGD, 64 per worker) and `bert`, a KerasHub `BertTextClassifier` built from
+config (`BERT`: 2 layers, hidden 256, 4 heads, vocabulary 8192, random weights) on 8
+sequences of 64 synthetic token ids per worker, Adam. Its token and segment embeddings
+have IndexedSlices gradients: TensorFlow all-gathers their rows (no method compresses
+them), so the exchange alone sends them as such and the prediction adds their all-gather
+to the planner's cost of the dense gradients (`sparse_exchange`).
 
 For every nodes x rate x model x method (none; `buckets`: `--bucket_bytes`,
 default 1 MiB; fp16; bf16; powersgd rank 4, no warm-up), one fresh set of worker
@@ -63,8 +71,13 @@ METHODS = {
     "powersgd": {"gradient_compression": "powersgd", "powersgd_rank": POWERSGD_RANK,
                  "powersgd_warmup_steps": 0},
 }
-MODELS = ("mlp", "conv")
+MODELS = ("mlp", "conv", "bert")
 PER_WORKER_BATCH = 64
+# The KerasHub transformer: a BertTextClassifier from config (random weights), its token ids
+# synthetic; 2 layers of hidden 256 (6.9 MB of dense gradients) on 8 x 64 tokens per worker.
+BERT = dict(vocabulary_size=8192, num_layers=2, num_heads=4, hidden_dim=256,
+            intermediate_dim=1024, max_sequence_length=64, dropout=0.0)
+BERT_PER_WORKER_BATCH = 8
 CALIBRATION_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
 WORKER_TIMEOUT = 900
 # Targets on the 1 Gbit/s-equivalent link.
@@ -119,6 +132,8 @@ def _model_and_data(name: str, workers: int, keras, np, tf):
     """(model, dataset of global batches, global batch, compile kwargs)."""
     rng = np.random.default_rng(0)
     batch = PER_WORKER_BATCH * workers
+    if name == "bert":
+        return _bert_and_data(workers, keras, np, tf)
     if name == "mlp":  # 784-1024-1024-512-10: 2.4 M parameters, 9.5 MB of gradients
         shape = (784,)
         model = keras.Sequential([keras.Input(shape)] + [
@@ -137,6 +152,62 @@ def _model_and_data(name: str, workers: int, keras, np, tf):
     return model, ds, batch, {
         "optimizer": optimizer,
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+
+
+def _bert_and_data(workers: int, keras, np, tf):
+    """A KerasHub BertTextClassifier (10 classes) built from `BERT`, on synthetic token ids.
+
+    As the KerasHub guides fine-tune one, with the preprocessing done ahead (token ids,
+    segment ids and padding mask as the backbone takes them) and the task's own compile
+    defaults except the learning rate.
+    """
+    import keras_hub
+
+    batch = BERT_PER_WORKER_BATCH * workers
+    length = BERT["max_sequence_length"]
+    backbone = keras_hub.models.BertBackbone(**BERT)
+    model = keras_hub.models.BertTextClassifier(backbone, num_classes=10, preprocessor=None,
+                                                dropout=0.0)
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(5, BERT["vocabulary_size"],
+                                   size=(batch * 4, length)).astype("int32"),
+         "segment_ids": np.zeros((batch * 4, length), "int32"),
+         "padding_mask": np.ones((batch * 4, length), "bool")}
+    y = rng.integers(0, 10, size=batch * 4).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+    return model, ds, batch, {"optimizer": keras.optimizers.Adam(5e-5)}
+
+
+def gradient_layout(tf, model, x, run=None) -> dict[int, dict]:
+    """{index of a trainable variable: its sparse gradient} from a trace of one gradient.
+
+    Traces (runs nothing) the gradient of the model's summed outputs on the batch `x`,
+    inside `run` (a strategy's `run`) when given: which gradients are IndexedSlices (an
+    embedding's lookup) depends on the model, not on the loss. Each is described by
+    {"rows", "row_bytes", "index_bytes"}: it crosses the wire as its rows and their
+    indices, not as the variable. Dense gradients are not listed.
+    """
+    found = {}
+
+    def replica():
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32))
+        grads = tape.gradient(total, model.trainable_variables)
+        for index, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                rows = g.values.shape[0]
+                if rows is None:
+                    raise ValueError(f"{model.trainable_variables[index].path}: the gradient's "
+                                     "rows are not known when traced; pass a batch of fixed "
+                                     "shape.")
+                found[index] = {"rows": int(rows),
+                                "row_bytes": g.values.shape[1:].num_elements()
+                                * g.values.dtype.size,
+                                "index_bytes": g.indices.dtype.size}
+        return total
+
+    tf.function(lambda: run(replica) if run is not None else replica()).get_concrete_function()
+    return found
 
 
 def _worker(config: dict, out: str) -> None:
@@ -158,6 +229,8 @@ def _worker(config: dict, out: str) -> None:
         keras.utils.set_random_seed(0)
         model, ds, batch, compile_args = _model_and_data(config["model"], workers, keras, np, tf)
         model.compile(**compile_args)
+        x, _ = next(iter(ds.unbatch().batch(batch // workers)))
+        sparse = gradient_layout(tf, model, x, run=strategy.run)
 
     class Clock(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -180,10 +253,13 @@ def _worker(config: dict, out: str) -> None:
     result = {"workers": workers, "step_seconds": step, "samples_per_second": batch / step,
               "wire_bytes_per_step": sent, "core": core, "global_batch": batch,
               "params": int(model.count_params()),
-              "shapes": [list(v.shape) for v in model.trainable_variables]}
+              "shapes": [list(v.shape) for i, v in enumerate(model.trainable_variables)
+                         if i not in sparse],
+              "sparse": list(sparse.values())}
 
     result["compute_seconds"], result["comm_seconds"] = compute_and_exchange_seconds(
-        tf, strategy, model, ds, time_steps, steps=steps, exchange_repeats=max(3, steps // 2))
+        tf, strategy, model, ds, time_steps, steps=steps, exchange_repeats=max(3, steps // 2),
+        sparse_rows={i: s["rows"] for i, s in sparse.items()})
     if config.get("calibrate"):
         result["calibration"] = _calibrate(tf, strategy, config["calibrate"])
     if task_id == 0:
@@ -254,17 +330,36 @@ def _run_workers(lab, config: dict, port: int) -> dict:
             return json.load(f)
 
 
+def sparse_exchange(sparse: list[dict], nodes: int, link) -> tuple[float, float]:
+    """(seconds, bytes each rank sends) of the IndexedSlices gradients' exchange.
+
+    TensorFlow's collective all-reduce gathers an IndexedSlices: one all-gather of the
+    lengths, then one of the values and one of the indices. A ring all-gather of b bytes
+    per rank sends (N-1) b and takes (N-1)(a + b / bandwidth) in the alpha-beta model.
+    No method compresses them.
+    """
+    seconds = sent = 0.0
+    for s in sparse:
+        for size in (4, s["rows"] * s["row_bytes"], s["rows"] * s["index_bytes"]):
+            sent += (nodes - 1) * size
+            seconds += (nodes - 1) * (link.latency + size / link.bandwidth)
+    return seconds, sent
+
+
 def _predict(result: dict, method: str, nodes: int, link) -> dict:
+    """The planner's costs for the dense gradients, plus the sparse ones' all-gather."""
     from tfdist import planning
 
+    extra, extra_sent = sparse_exchange(result.get("sparse", []), nodes, link)
     kwargs = dict(shapes=[tuple(s) for s in result["shapes"]], num_replicas=nodes, link=link,
-                  compute_seconds=result["compute_seconds"], rank=POWERSGD_RANK)
+                  compute_seconds=result["compute_seconds"] + extra, rank=POWERSGD_RANK)
     by_method = {c.compression: c for c in planning.candidates(**kwargs)}
     choice, reason = planning.recommend(**kwargs)
     predicted = by_method[METHODS[method].get("gradient_compression", "none")]
     return {"predicted_step": predicted.step_seconds,
-            "predicted_wire": planning.ring_allreduce_bytes_per_rank(predicted.wire_bytes, nodes),
-            "predicted_comm": predicted.comm_seconds, "recommendation": choice,
+            "predicted_wire": planning.ring_allreduce_bytes_per_rank(predicted.wire_bytes, nodes)
+            + extra_sent,
+            "predicted_comm": predicted.comm_seconds + extra, "recommendation": choice,
             "reason": reason}
 
 

@@ -106,14 +106,19 @@ def _tcp_bytes_sent(pid: int) -> int:
 
 
 def compute_and_exchange_seconds(tf, strategy, model, ds, time_steps, *, steps: int,
-                                 exchange_repeats: int) -> tuple[float, float]:
+                                 exchange_repeats: int,
+                                 sparse_rows: dict[int, int] | None = None
+                                 ) -> tuple[float, float]:
     """(compute-only step, exchange alone) on a worker of a tfdist multi-worker strategy.
 
     Compute only: `time_steps(steps)` with the strategy's GradientSync swapped for one that
     keeps each worker's own gradients (no communication; tfdist's sync is put back after).
     Exchange alone: the sync's reduction of gradient-shaped tensors, outside any step, the
-    median of `exchange_repeats` runs. Shared by bench_comm and bench_cluster (their hidden
-    share is (compute + exchange - step) / exchange).
+    median of `exchange_repeats` runs. `sparse_rows` maps the index of a trainable variable
+    whose gradient is an IndexedSlices (an embedding's) to its number of rows in one step's
+    gradient: that gradient is exchanged as an IndexedSlices of so many rows, the others
+    dense. Shared by bench_comm and bench_cluster (their hidden share is
+    (compute + exchange - step) / exchange).
     """
     from tfdist import sync as sync_lib
 
@@ -131,6 +136,14 @@ def compute_and_exchange_seconds(tf, strategy, model, ds, time_steps, *, steps: 
     compute_seconds = time_steps(steps)
     sync_lib.set_gradient_sync(strategy, sync)
     variables = [v.value for v in model.trainable_variables]
+    sparse_rows = dict(sparse_rows or {})
+
+    def gradient_like(index, v):
+        if index not in sparse_rows:
+            return tf.ones_like(v) * 1e-3
+        rows = sparse_rows[index]
+        return tf.IndexedSlices(tf.ones([rows, *v.shape[1:]], v.dtype) * 1e-3,
+                                tf.range(rows, dtype=tf.int64) % v.shape[0], tf.shape(v))
 
     def keras_all_reduce(grads_and_vars):
         # What Keras's optimizer does (one all-reduce of every gradient), in public API.
@@ -141,9 +154,10 @@ def compute_and_exchange_seconds(tf, strategy, model, ds, time_steps, *, steps: 
     @tf.function
     def exchange():
         def replica_fn():
-            pairs = [(tf.ones_like(v) * 1e-3, v) for v in variables]
+            pairs = [(gradient_like(i, v), v) for i, v in enumerate(variables)]
             reduced = sync.reduce(model.optimizer, pairs, keras_all_reduce)
-            return tf.add_n([tf.reduce_sum(g) for g, _ in reduced])
+            return tf.add_n([tf.reduce_sum(g.values if isinstance(g, tf.IndexedSlices) else g)
+                             for g, _ in reduced])
 
         return strategy.run(replica_fn)
 

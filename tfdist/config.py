@@ -193,8 +193,8 @@ _COMM_HELP = {
                             "back); powersgd (low-rank P, Q with error feedback, Vogels et al. "
                             "2019). Sparse (IndexedSlices) gradients are never compressed.",
     "powersgd_rank": "mirrored, multi_worker_mirrored with --gradient_compression=powersgd: rank "
-                     f"of the approximation (default {DEFAULT_POWERSGD_RANK}); at most the "
-                     "smaller dimension of every weight matrix.",
+                     f"of the approximation (default {DEFAULT_POWERSGD_RANK}); a weight matrix "
+                     "with a smaller dimension is sent whole.",
     "powersgd_warmup_steps": "mirrored, multi_worker_mirrored with "
                              "--gradient_compression=powersgd: optimizer steps all-reduced "
                              f"uncompressed first (default {DEFAULT_POWERSGD_WARMUP_STEPS}).",

@@ -101,11 +101,12 @@ def test_train_rejects_a_rank_too_large_without_traceback():
     # The rank is checked against the model's variables when Keras builds the optimizer,
     # inside fit: experiments.train still ends in one clear line.
     result = run_python("-m", "experiments.train", "--gradient_compression=powersgd",
-                        "--powersgd_rank=64", "--epochs=1", timeout=300)
+                        "--powersgd_rank=300", "--epochs=1", timeout=300)
     assert result.returncode != 0
-    assert ("error: powersgd_rank=64 is larger than the smaller dimension of variable "
-            "'logits/kernel' (shape (128, 10)") in result.stderr
-    assert "Use powersgd_rank <= 10" in result.stderr
+    assert ("error: powersgd_rank=300 is larger than the smaller dimension of every weight "
+            "matrix (the largest, variable 'dense_0/kernel', has shape (784, 256)") \
+        in result.stderr
+    assert "Use powersgd_rank <= 256" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -120,9 +121,9 @@ def test_compression_matches_numpy_reference_on_mirrored():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert [r["method"] for r in report["results"]] == ["none", "fp16", "bf16", "powersgd"]
-    assert ("powersgd_rank=6 is larger than the smaller dimension of variable 'logits/kernel' "
-            "(shape (24, 5)") in report["rank_error"]
-    assert "Use powersgd_rank <= 5" in report["rank_error"]
+    assert ("powersgd_rank=25 is larger than the smaller dimension of every weight matrix (the "
+            "largest, variable 'hidden/kernel', has shape (128, 24)") in report["rank_error"]
+    assert "Use powersgd_rank <= 24" in report["rank_error"]
     # PowerSGD's error feedback and Q are saved by tfdist.BackupAndRestore: resuming after
     # epoch 1 equals 2 uninterrupted epochs; zeroing the restored error does not.
     assert report["resume_diff"] <= 1e-5, report

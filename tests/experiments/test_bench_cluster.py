@@ -36,7 +36,7 @@ def test_bad_arguments_name_what_was_received():
     for change, message in (
             ({"nodes": [1]}, r"--nodes must be node counts >= 2. Received: \[1\]"),
             ({"rates": [0.0]}, r"--rates must be positive.*Received: \[0.0\]"),
-            ({"models": ["resnet"]}, r"--models must name one or more of mlp, conv. "
+            ({"models": ["resnet"]}, r"--models must name one or more of mlp, conv, bert. "
                                      r"Received: 'resnet'"),
             ({"methods": ["none", "gzip"]}, r"--methods must name one or more of none, "
                                             r"buckets.*Received: 'none,gzip'"),
@@ -72,6 +72,53 @@ def test_targets_from_measurements():
     rows = {r["name"]: r for r in bench_cluster._target_rows(runs, row)}
     rec = rows["cluster target: recommendation fastest or within 10%, mlp, 2 nodes, 1 Gbit/s-eq"]
     assert rec["value"] == pytest.approx(4.0) and rec["note"].endswith("missed")
+
+
+def test_kerashub_model_and_what_reaches_the_planner():
+    """The KerasHub BERT, built offline; its dense shapes and sparse rows reach the prediction."""
+    import keras
+    import numpy as np
+
+    from tfdist import planning
+    from tfdist._tf import import_tensorflow
+    from tfdist.comm import powersgd
+
+    tf = import_tensorflow()
+    model, ds, batch, _ = bench_cluster._model_and_data("bert", 2, keras, np, tf)
+    x, y = next(iter(ds))
+    assert batch == 16 and y.shape == (16,) and x["token_ids"].shape == (16, 64)
+    assert set(x) == {"token_ids", "segment_ids", "padding_mask"}
+    sparse = bench_cluster.gradient_layout(tf, model, {k: v[:8] for k, v in x.items()})
+    variables = model.trainable_variables
+    # The token and segment embeddings' gradients are their 8 x 64 looked-up rows of 256
+    # floats; the position embedding is sliced, so dense.
+    index_bytes = {s["index_bytes"] for s in sparse.values()}
+    assert {variables[i].path: s for i, s in sparse.items()} == {
+        path: {"rows": 512, "row_bytes": 1024, "index_bytes": index_bytes.pop()}
+        for path in ("token_embedding/embeddings", "segment_embedding/embeddings")}
+    dense = [tuple(v.shape) for i, v in enumerate(variables) if i not in sparse]
+    dense_bytes = 4 * sum(math.prod(s) for s in dense)
+    assert 6e6 < dense_bytes < 8e6, dense_bytes
+    # PowerSGD rank 4 fits the model: the (2, 256) segment embedding is sent whole.
+    powersgd.check_rank([(v.path, tuple(v.shape)) for v in variables], bench_cluster.POWERSGD_RANK)
+
+    link = planning.Link(bandwidth=7e6, latency=2e-4)
+    result = {"shapes": dense, "sparse": list(sparse.values()), "compute_seconds": 0.1}
+    # Per embedding, three all-gathers (lengths, values, indices), each sending one rank's
+    # bytes to the other of 2 nodes.
+    gathered = [4, 512 * 1024, 512 * sparse[next(iter(sparse))]["index_bytes"]]
+    sparse_seconds = 2 * sum(link.latency + b / link.bandwidth for b in gathered)
+    for method, compression in (("none", "none"), ("fp16", "fp16"), ("powersgd", "powersgd")):
+        predicted = bench_cluster._predict(result, method, 2, link)
+        plain = bench_cluster._predict({**result, "sparse": []}, method, 2, link)
+        wire = planning.compressed_gradient_bytes(dense, compression=compression, rank=4)
+        assert plain["predicted_wire"] == pytest.approx(wire)  # 2 (N - 1) / N = 1
+        assert predicted["predicted_wire"] == pytest.approx(wire + 2 * sum(gathered))
+        assert predicted["predicted_step"] - plain["predicted_step"] == pytest.approx(
+            sparse_seconds)
+    none = bench_cluster._predict(result, "none", 2, link)
+    assert none["predicted_step"] == pytest.approx(
+        0.1 + 2 * link.latency + dense_bytes / link.bandwidth + sparse_seconds)
 
 
 @pytest.mark.slow

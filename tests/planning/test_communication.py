@@ -47,11 +47,22 @@ def test_allreduce_time_counts_powersgd_two_rounds():
 
 def test_rank_check_names_the_variable():
     powersgd.check_rank([("dense/kernel", (784, 1024)), ("dense/bias", (1024,))], 64)
+    # A matrix smaller than the rank is sent whole: a KerasHub BERT's (2, hidden) segment
+    # embedding and a 2-class head at rank 4 (these were refused: "Use powersgd_rank <= 2").
+    bert = [("token_embedding/embeddings", (8192, 256)), ("segment_embedding/embeddings",
+                                                           (2, 256)), ("logits/kernel", (256, 2))]
+    powersgd.check_rank(bert, 4)
+    assert not powersgd.compresses((2, 256), 4) and powersgd.wire_numbers((2, 256), 4) == 512
+    assert powersgd.compresses((8192, 256), 4)
+    # A rank above every matrix's smaller dimension would compress nothing.
     with pytest.raises(ValueError) as info:
-        powersgd.check_rank([("a/kernel", (784, 1024)), ("logits/kernel", (512, 10))], 16)
-    assert "powersgd_rank=16 is larger than the smaller dimension of variable " \
-           "'logits/kernel' (shape (512, 10)" in str(info.value)
-    assert "Use powersgd_rank <= 10" in str(info.value)
+        powersgd.check_rank([("a/kernel", (784, 24)), ("logits/kernel", (512, 10)),
+                             ("a/bias", (24,))], 25)
+    assert "powersgd_rank=25 is larger than the smaller dimension of every weight matrix " \
+           "(the largest, variable 'a/kernel', has shape (784, 24)" in str(info.value)
+    assert "Use powersgd_rank <= 24" in str(info.value)
+    with pytest.raises(ValueError, match="Received: powersgd_rank=0"):
+        powersgd.check_rank(bert, 0)
 
 
 def test_recommend():

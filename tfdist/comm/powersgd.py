@@ -52,7 +52,12 @@ def compresses(shape: Sequence[int], rank: int) -> bool:
 
 
 def check_rank(named_shapes: Sequence[tuple[str, Sequence[int]]], rank: int) -> None:
-    """Raises ValueError if `rank` exceeds the smaller dimension of any weight matrix.
+    """Raises ValueError if `rank` exceeds the smaller dimension of every weight matrix.
+
+    A matrix with a dimension smaller than the rank is sent whole, as every matrix that a
+    rank-`rank` factorisation would not shrink (`compresses`), like PyTorch's PowerSGD
+    hook: e.g. BERT's (2, hidden) segment embedding or a 2-class logits kernel at rank 4.
+    A rank that fits no matrix at all compresses nothing and is refused.
 
     Args:
       named_shapes: (variable path, shape) of every trainable variable.
@@ -60,18 +65,17 @@ def check_rank(named_shapes: Sequence[tuple[str, Sequence[int]]], rank: int) -> 
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"powersgd_rank must be an integer >= 1. Received: powersgd_rank={rank!r}")
-    too_small = [(name, shape, min(matrix_shape(shape)))
-                 for name, shape in named_shapes
-                 if matrix_shape(shape) is not None and min(matrix_shape(shape)) < rank]
-    if too_small:
-        name, shape, limit = too_small[0]
-        others = f" (and {len(too_small) - 1} more)" if len(too_small) > 1 else ""
-        smallest = min(limit for _, _, limit in too_small)
-        raise ValueError(
-            f"powersgd_rank={rank} is larger than the smaller dimension of variable {name!r} "
-            f"(shape {tuple(shape)}, viewed as a {matrix_shape(shape)[0]} x "
-            f"{matrix_shape(shape)[1]} matrix){others}: a rank-{rank} approximation of it "
-            f"does not exist. Use powersgd_rank <= {smallest}.")
+    matrices = [(name, shape, min(matrix_shape(shape))) for name, shape in named_shapes
+                if matrix_shape(shape) is not None]
+    if not matrices or any(limit >= rank for _, _, limit in matrices):
+        return
+    name, shape, limit = max(matrices, key=lambda m: m[2])
+    raise ValueError(
+        f"powersgd_rank={rank} is larger than the smaller dimension of every weight matrix "
+        f"(the largest, variable {name!r}, has shape {tuple(shape)}, viewed as a "
+        f"{matrix_shape(shape)[0]} x {matrix_shape(shape)[1]} matrix): a rank-{rank} "
+        f"approximation exists for none of them, so nothing would be compressed. Use "
+        f"powersgd_rank <= {limit}.")
 
 
 def wire_numbers(shape: Sequence[int], rank: int) -> int:

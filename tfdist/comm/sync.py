@@ -89,7 +89,7 @@ class CommSync(sync_lib.GradientSync):
         `<variable>_powersgd_q` (SyncOnRead, first replica: identical on all).
 
         Raises:
-          ValueError: the rank exceeds a weight matrix's smaller dimension.
+          ValueError: the rank exceeds the smaller dimension of every weight matrix.
         """
         if self.compression != "powersgd":
             return
