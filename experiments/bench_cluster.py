@@ -453,11 +453,13 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                             f"{result['wire_bytes_per_step'] / 1e6:.3f} MB, hidden "
                             f"{hidden_share(result):.2f}")
     load = (f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
-    spread = {k: [x["step_seconds"] for x in v] for k, v in measured.items()}
+    rounds_of = dict(measured)
     measured = {k: sorted(v, key=lambda x: x["step_seconds"])[(len(v) - 1) // 2]
                 for k, v in measured.items()}
     for k, r in measured.items():
-        r["round_steps"] = spread[k]
+        r["round_steps"] = [x["step_seconds"] for x in rounds_of[k]]
+        r["round_hidden"] = [(hidden_share(x), x["compute_seconds"], x["comm_seconds"])
+                             for x in rounds_of[k]]
     return [row(f"cluster/{n} nodes/{rate:g} Gbit/s-eq/{model}/{method}: failed", float("nan"),
                 "-", error) for (n, rate, model, method), error in failed.items()
             ] + _rows(measured, links, load, steps, bucket_bytes, row, rounds)
@@ -491,7 +493,10 @@ def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
                         f"alpha-beta: a ring all-reduce sends {r['predicted_wire'] / 1e6:.3f} MB "
                         f"per rank"))
         rows.append(row(f"{name}: hidden", hidden_share(r), "fraction",
-                        "(compute + exchange - step) / exchange"))
+                        "(compute + exchange - step) / exchange"
+                        + ("; by round: " + ", ".join(
+                            f"{h:.2f} (compute {c * 1e3:.1f}, exchange {e * 1e3:.1f} ms)"
+                            for h, c, e in r["round_hidden"]) if rounds > 1 else "")))
         rows.append(row(f"{name}: predicted/measured", r["predicted_step"] / r["step_seconds"],
                         "x", f"planner predicts {r['predicted_step'] * 1e3:.1f} ms (compute "
                         f"{r['compute_seconds'] * 1e3:.1f} + exchange "

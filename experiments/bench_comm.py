@@ -143,7 +143,7 @@ def compute_and_exchange_seconds(tf, strategy, model, ds, time_steps, *, steps: 
             return tf.ones_like(v) * 1e-3
         rows = sparse_rows[index]
         return tf.IndexedSlices(tf.ones([rows, *v.shape[1:]], v.dtype) * 1e-3,
-                                tf.range(rows, dtype=tf.int64) % v.shape[0], tf.shape(v))
+                                tf.range(rows) % v.shape[0], tf.shape(v))
 
     def keras_all_reduce(grads_and_vars):
         # What Keras's optimizer does (one all-reduce of every gradient), in public API.

@@ -92,9 +92,8 @@ def test_kerashub_model_and_what_reaches_the_planner():
     variables = model.trainable_variables
     # The token and segment embeddings' gradients are their 8 x 64 looked-up rows of 256
     # floats; the position embedding is sliced, so dense.
-    index_bytes = {s["index_bytes"] for s in sparse.values()}
     assert {variables[i].path: s for i, s in sparse.items()} == {
-        path: {"rows": 512, "row_bytes": 1024, "index_bytes": index_bytes.pop()}
+        path: {"rows": 512, "row_bytes": 1024, "index_bytes": 4}  # int32 token ids
         for path in ("token_embedding/embeddings", "segment_embedding/embeddings")}
     dense = [tuple(v.shape) for i, v in enumerate(variables) if i not in sparse]
     dense_bytes = 4 * sum(math.prod(s) for s in dense)
@@ -106,7 +105,7 @@ def test_kerashub_model_and_what_reaches_the_planner():
     result = {"shapes": dense, "sparse": list(sparse.values()), "compute_seconds": 0.1}
     # Per embedding, three all-gathers (lengths, values, indices), each sending one rank's
     # bytes to the other of 2 nodes.
-    gathered = [4, 512 * 1024, 512 * sparse[next(iter(sparse))]["index_bytes"]]
+    gathered = [4, 512 * 1024, 512 * 4]
     sparse_seconds = 2 * sum(link.latency + b / link.bandwidth for b in gathered)
     for method, compression in (("none", "none"), ("fp16", "fp16"), ("powersgd", "powersgd")):
         predicted = bench_cluster._predict(result, method, 2, link)
@@ -245,5 +244,9 @@ def test_rounds_are_interleaved_and_each_configuration_keeps_its_median_round(mo
     assert "the median of 3 interleaved rounds (steps 900.0, 500.0, 700.0 ms)" in none["note"]
     # The median round's own figures, not a mix of rounds.
     assert by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/fp16: wire"]["value"] == pytest.approx(3.0)
+    # Every round's hidden share: (step / 10 + step - step) / step = 0.1.
+    assert by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/none: hidden"]["note"].endswith(
+        "by round: 0.10 (compute 90.0, exchange 900.0 ms), 0.10 (compute 50.0, exchange "
+        "500.0 ms), 0.10 (compute 70.0, exchange 700.0 ms)")
     with pytest.raises(ValueError, match="--rounds must be >= 1. Received: rounds=0"):
         bench_cluster.run([2], [1.0], ["mlp"], ["none"], steps=2, rounds=0)
