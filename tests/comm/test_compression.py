@@ -104,9 +104,9 @@ def test_train_rejects_a_rank_too_large_without_traceback():
                         "--powersgd_rank=300", "--epochs=1", timeout=300)
     assert result.returncode != 0
     assert ("error: powersgd_rank=300 is larger than the smaller dimension of every weight "
-            "matrix (the largest, variable 'dense_0/kernel', has shape (784, 256)") \
+            "matrix (the largest, variable 'dense_1/kernel', has shape (256, 128)") \
         in result.stderr
-    assert "Use powersgd_rank <= 256" in result.stderr
+    assert "Use powersgd_rank <= 128" in result.stderr
     assert "Traceback" not in result.stderr
 
 
