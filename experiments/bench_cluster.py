@@ -74,7 +74,7 @@ METHODS = {
 MODELS = ("mlp", "conv", "bert")
 PER_WORKER_BATCH = 64
 # The KerasHub transformer: a BertTextClassifier from config (random weights), its token ids
-# synthetic; 2 layers of hidden 256 (6.9 MB of dense gradients) on 8 x 64 tokens per worker.
+# synthetic; 2 layers of hidden 256 (6.66 MB of dense gradients) on 8 x 64 tokens per worker.
 BERT = dict(vocabulary_size=8192, num_layers=2, num_heads=4, hidden_dim=256,
             intermediate_dim=1024, max_sequence_length=64, dropout=0.0)
 BERT_PER_WORKER_BATCH = 8
@@ -489,9 +489,10 @@ def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
                         f"{r['comm_seconds'] * 1e3:.1f} ms; fastest measured here: {fastest}; "
                         + setup))
         rows.append(row(f"{name}: wire", r["wire_bytes_per_step"] / 1e6, "MB/step",
-                        f"worker 0's TCP bytes_sent per step (ss -ti, heartbeats included); "
-                        f"alpha-beta: a ring all-reduce sends {r['predicted_wire'] / 1e6:.3f} MB "
-                        f"per rank"))
+                        "worker 0's TCP bytes_sent per step (ss -ti, heartbeats included); "
+                        "alpha-beta: a ring all-reduce"
+                        + (" and the sparse gradients' all-gathers" if r.get("sparse") else "")
+                        + f" send {r['predicted_wire'] / 1e6:.3f} MB per rank"))
         rows.append(row(f"{name}: hidden", hidden_share(r), "fraction",
                         "(compute + exchange - step) / exchange"
                         + ("; by round: " + ", ".join(
