@@ -9,9 +9,15 @@ per byte (1 / bandwidth):
   2(N-1) * K bytes pass through it, T = 2(N-1)(a + K b);
 - ZeRO stages and compression scale the all-reduce's bytes
   (`relative_traffic`, `compressed_gradient_bytes`);
+- ZeRO stage 3 with `shard_remat` (the default) gathers each weight twice and
+  recomputes the forward pass (1.5x the bytes, `recomputed_forward_passes`);
+  without it, 1.0x and no recomputation;
 - `recommend` picks a gradient compression for the planner and `auto` from
-  the alpha-beta time of each method plus its compute overhead (PowerSGD
-  multiplies each compressed n x m gradient by Q and P: 4 n m r FLOPs).
+  the alpha-beta time of each method plus its compute overhead: PowerSGD's
+  own matmuls, orthogonalisation and error feedback (`powersgd_seconds`: about
+  6 n m r + 3 n m FLOPs and 13 x 4 n m bytes per compressed n x m gradient, each
+  op at the slower of the device's FLOP and memory rates), and the latency of
+  each of its collectives (`powersgd_collectives`).
 
     >>> ring_allreduce_bytes_per_rank(100e6, 8)
     175000000.0
@@ -139,17 +145,24 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], num_replicas: int, *,
 # Bytes each replica moves per step, relative to a ring all-reduce of its gradients, by ZeRO
 # stage (docs/sharding.md): stage 1 all-reduces the whole gradient, then all-gathers the
 # updated shards (1 + 1/2); stage 2 reduce-scatters instead (the same bytes as the
-# all-reduce's two halves: 1); stage 3 also all-gathers each sharded weight in the forward
-# and again in the backward pass, but reduce-scatters its gradients (1.5).
+# all-reduce's two halves: 1); stage 3 reduce-scatters its gradients (1/2) and all-gathers
+# each sharded weight in the forward pass (1/2) and, with `shard_remat` (the default), again
+# in the backward pass, where keras.remat recomputes the layer's forward (1/2 more: 1.5).
+# With shard_remat=False a layer keeps the weights it gathered until its backward pass:
+# one gather per weight per step (1.0), no recomputed forward.
 SHARDED_TRAFFIC = {0: 1.0, 1: 1.5, 2: 1.0, 3: 1.5}
+STAGE3_NO_REMAT_TRAFFIC = 1.0
 
 
-def relative_traffic(*, stage: int = 0, compression: str = "none") -> float:
+def relative_traffic(*, stage: int = 0, compression: str = "none",
+                     remat: bool = True) -> float:
     """Gradient-exchange bytes per step relative to plain data parallelism's all-reduce.
 
-    `stage`: ZeRO stage 0-3 (`SHARDED_TRAFFIC`); `compression`: none, fp16 or
-    bf16 (the ratio of `COMPRESSED_BYTES_PER_NUMBER`; powersgd depends on the
-    shapes: use `compressed_gradient_bytes`).
+    `stage`: ZeRO stage 0-3 (`SHARDED_TRAFFIC`); `remat`: stage 3's
+    `shard_remat` (False: each weight gathered once per step, 1.0; ignored at
+    other stages); `compression`: none, fp16 or bf16 (the ratio of
+    `COMPRESSED_BYTES_PER_NUMBER`; powersgd depends on the shapes: use
+    `compressed_gradient_bytes`).
     """
     if stage not in SHARDED_TRAFFIC:
         raise ValueError(f"stage must be 0, 1, 2 or 3. Received: stage={stage!r}")
@@ -157,8 +170,24 @@ def relative_traffic(*, stage: int = 0, compression: str = "none") -> float:
         raise ValueError("compression must be none, fp16 or bf16 (powersgd's bytes depend on "
                          "the shapes: use compressed_gradient_bytes). Received: "
                          f"compression={compression!r}")
+    if not isinstance(remat, bool):
+        raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
     ratio = COMPRESSED_BYTES_PER_NUMBER[compression] / COMPRESSED_BYTES_PER_NUMBER["none"]
-    return SHARDED_TRAFFIC[stage] * ratio
+    traffic = STAGE3_NO_REMAT_TRAFFIC if stage == 3 and not remat else SHARDED_TRAFFIC[stage]
+    return traffic * ratio
+
+
+def recomputed_forward_passes(*, stage: int = 0, remat: bool = True) -> float:
+    """Extra forward passes per step: 1 at stage 3 with `shard_remat` (keras.remat), else 0.
+
+    A training step is about 3 forward passes of FLOPs (forward + backward), so
+    stage 3 with remat computes about 4/3 of plain data parallelism's step (the
+    layers that own sharded weights; `tfdist.sharding` runs every such layer under
+    keras.remat).
+    """
+    if stage not in SHARDED_TRAFFIC:
+        raise ValueError(f"stage must be 0, 1, 2 or 3. Received: stage={stage!r}")
+    return 1.0 if stage == 3 and remat else 0.0
 
 
 COMPRESSED_BYTES_PER_NUMBER = {"none": 4, "fp16": 2, "bf16": 2, "powersgd": 4}
@@ -183,18 +212,118 @@ def compressed_gradient_bytes(shapes: Sequence[Sequence[int]], *, compression: s
     return per_number * sum(powersgd.wire_numbers(s, rank) for s in shapes)
 
 
-def compressed_allreduce_time(shapes: Sequence[Sequence[int]], num_replicas: int, link: Link,
-                              *, compression: str = "none", rank: int = 4) -> float:
-    """alpha-beta time of one step's gradient exchange with `compression`.
+def powersgd_collectives(shapes: Sequence[Sequence[int]], rank: int, *,
+                         bucket_bytes: int = 0) -> int:
+    """All-reduces PowerSGD launches per step, as `tfdist.comm.sync.CommSync` runs it.
 
-    One ring all-reduce of the compressed bytes; PowerSGD runs two rounds
-    (P with the uncompressed gradients, then Q), so pays the latency twice.
+    The dense gradients, last first, are grouped into buckets of about
+    `bucket_bytes` (0: one bucket); a bucket holding a compressed matrix runs two
+    collectives (its P's packed with its uncompressed gradients, then its Q's),
+    one holding none runs one.
     """
     from tfdist.comm import powersgd
 
+    sizes = [4 * math.prod(int(d) for d in s) for s in reversed(shapes)]
+    compressed = [powersgd.compresses(s, rank) for s in reversed(shapes)]
+    buckets: list[list[int]] = []
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if not buckets or (bucket_bytes and size + nbytes > bucket_bytes and buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return sum(2 if any(compressed[i] for i in bucket) else 1 for bucket in buckets)
+
+
+def _powersgd_ops(n: int, m: int, rank: int) -> list[tuple[float, float]]:
+    """(FLOPs, bytes read and written) of each op `CommSync._compressed` runs on an n x m gradient.
+
+    float32 throughout; r = rank, N-independent.
+    """
+    r = rank
+    return [
+        (n * m, 3 * 4 * n * m),                              # A = G + E
+        (2 * n * m * r, 4 * (n * m + m * r + n * r)),        # P = A Q
+        (4 * n * r**2 - 4 * r**3 / 3, 4 * 2 * n * r),        # P's thin Q (Householder QR)
+        (2 * n * m * r, 4 * (n * m + n * r + m * r)),        # Q = A^T P
+        (2 * n * m * r, 4 * (n * r + m * r + n * m)),        # P Q^T
+        (n * m, 2 * 4 * n * m),                              # P Q^T / N
+        (n * m, 3 * 4 * n * m),                              # E = A - P Q^T / N
+        (0, 2 * 4 * n * m),                                  # E assigned (a copy)
+    ]
+
+
+def _powersgd_matrices(shapes: Sequence[Sequence[int]], rank: int) -> list[tuple[int, int]]:
+    from tfdist.comm import powersgd
+
+    check_positive("rank", rank, integer=True)
+    return [powersgd.matrix_shape(s) for s in shapes if powersgd.compresses(s, rank)]
+
+
+def powersgd_flops(shapes: Sequence[Sequence[int]], rank: int) -> float:
+    """FLOPs of PowerSGD's own work per step on one replica (`CommSync._compressed`).
+
+    Per compressed gradient viewed as an n x m matrix, at rank r:
+    the error feedback A = G + E (n m); P = A Q (2 n m r); P's orthonormal
+    basis, a Householder QR with its thin Q formed (4 n r^2 - 4 r^3 / 3);
+    Q = A^T P (2 n m r); the approximation P Q^T (2 n m r); the new error
+    E = A - P Q^T / N (2 n m): about 6 n m r + 3 n m. Gradients sent whole
+    cost nothing extra.
+    """
+    return float(sum(f for n, m in _powersgd_matrices(shapes, rank)
+                     for f, _ in _powersgd_ops(n, m, rank)))
+
+
+def powersgd_bytes(shapes: Sequence[Sequence[int]], rank: int) -> float:
+    """Bytes PowerSGD's own ops read and write per step on one replica (float32).
+
+    The same ops as `powersgd_flops`: each streams the n x m matrix (reading
+    its inputs, writing its output), 13 x 4 n m bytes per compressed gradient
+    in all (the error assignment counted as a copy), plus the n x r and m x r
+    factors.
+    """
+    return float(sum(b for n, m in _powersgd_matrices(shapes, rank)
+                     for _, b in _powersgd_ops(n, m, rank)))
+
+
+def powersgd_seconds(shapes: Sequence[Sequence[int]], rank: int, *, flops_per_second: float,
+                     bytes_per_second: float | None = None) -> float:
+    """PowerSGD's own compute per step: each op at the slower of its FLOPs and its bytes.
+
+    A roofline per op: max(FLOPs / `flops_per_second`, bytes / `bytes_per_second`).
+    The rank-r products do 2r FLOPs per number of the n x m matrix they stream and
+    the error feedback fewer than one, so where the memory rate is known (a
+    measured streaming rate, e.g. `a + b` over gradient-sized tensors) it is
+    what bounds them on a CPU. Without it, FLOPs alone (a lower bound).
+    """
+    check_positive("flops_per_second", flops_per_second)
+    if bytes_per_second is not None:
+        check_positive("bytes_per_second", bytes_per_second)
+    total = 0.0
+    for n, m in _powersgd_matrices(shapes, rank):
+        for flops, nbytes in _powersgd_ops(n, m, rank):
+            seconds = flops / flops_per_second
+            if bytes_per_second is not None:
+                seconds = max(seconds, nbytes / bytes_per_second)
+            total += seconds
+    return total
+
+
+def compressed_allreduce_time(shapes: Sequence[Sequence[int]], num_replicas: int, link: Link,
+                              *, compression: str = "none", rank: int = 4,
+                              bucket_bytes: int = 0) -> float:
+    """alpha-beta time of one step's gradient exchange with `compression`.
+
+    One ring all-reduce of the compressed bytes, paying the latency once per
+    collective: PowerSGD runs two per bucket that holds a compressed matrix (P
+    with the uncompressed gradients, then Q; `powersgd_collectives`), so pays
+    it at least twice. Its local compute is `powersgd_flops`, costed by
+    `candidates`.
+    """
     total = compressed_gradient_bytes(shapes, compression=compression, rank=rank)
-    rounds = 2 if compression == "powersgd" and any(
-        powersgd.compresses(s, rank) for s in shapes) else 1
+    rounds = powersgd_collectives(shapes, rank, bucket_bytes=bucket_bytes) \
+        if compression == "powersgd" else 1
     if num_replicas < 2:
         return 0.0
     return (rounds - 1) * 2 * (num_replicas - 1) * link.latency + ring_allreduce_time(
@@ -237,13 +366,29 @@ class CompressionCost:
 def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: int,
                link: Link, compute_seconds: float, gradient_bytes: int | None = None,
                flops_per_second: float = 100e9,
-               rank: int = config_lib.DEFAULT_POWERSGD_RANK) -> list[CompressionCost]:
+               rank: int = config_lib.DEFAULT_POWERSGD_RANK,
+               bucket_bytes: int = 0,
+               bytes_per_second: float | None = None) -> list[CompressionCost]:
     """The cost of every method (no overlap of compute and communication assumed).
+
+    Each method's step is `compute_seconds` + its exchange's alpha-beta time
+    (`compressed_allreduce_time`: the latency once per collective) + its own
+    compute. PowerSGD's is `powersgd_seconds`: each of its ops at the slower of
+    its FLOPs / `flops_per_second` and its bytes / `bytes_per_second`. Pass
+    the rates the device reaches (training FLOPs / measured step; a measured
+    streaming rate), not datasheet peaks. Its rank-r products stream each n x m
+    gradient for 2r FLOPs per number, so on a CPU the memory rate bounds them;
+    without `bytes_per_second` the estimate is FLOPs alone, a lower bound.
+    Casting to fp16/bf16 is costed as free.
 
     Args:
       shapes: the trainable variables' shapes (needed for powersgd).
       gradient_bytes: float32 gradient bytes, when the shapes are not known
         (`ModelStats.gradient_bytes`): none, fp16 and bf16 are costed, not _powersgd().
+      flops_per_second: the device's FLOP rate for PowerSGD's compute.
+      bucket_bytes: `bucket_bytes` of the exchange (PowerSGD runs two
+        collectives per bucket).
+      bytes_per_second: the device's memory streaming rate (None: unknown).
     """
     if shapes is None:
         if gradient_bytes is None:
@@ -256,12 +401,11 @@ def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: i
     for method in methods:
         wire = compressed_gradient_bytes(shapes, compression=method, rank=rank)
         comm = compressed_allreduce_time(shapes, num_replicas, link, compression=method,
-                                              rank=rank)
+                                         rank=rank, bucket_bytes=bucket_bytes)
         extra = 0.0
         if method == "powersgd":
-            flops = sum(4 * n * m * rank for n, m in (
-                _powersgd().matrix_shape(s) for s in shapes if _powersgd().compresses(s, rank)))
-            extra = flops / flops_per_second
+            extra = powersgd_seconds(shapes, rank, flops_per_second=flops_per_second,
+                                     bytes_per_second=bytes_per_second)
         rows.append(CompressionCost(method, wire, comm, extra, compute_seconds + comm + extra))
     return rows
 
@@ -269,11 +413,14 @@ def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: i
 def recommend(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: int,
               link: Link, compute_seconds: float, gradient_bytes: int | None = None,
               flops_per_second: float = 100e9,
-              rank: int = config_lib.DEFAULT_POWERSGD_RANK) -> tuple[str, str]:
+              rank: int = config_lib.DEFAULT_POWERSGD_RANK,
+              bucket_bytes: int = 0,
+              bytes_per_second: float | None = None) -> tuple[str, str]:
     """(compression, reason): the fastest method, or "none" when communication is small."""
     rows = candidates(shapes=shapes, num_replicas=num_replicas, link=link,
                       compute_seconds=compute_seconds, gradient_bytes=gradient_bytes,
-                      flops_per_second=flops_per_second, rank=rank)
+                      flops_per_second=flops_per_second, rank=rank, bucket_bytes=bucket_bytes,
+                      bytes_per_second=bytes_per_second)
     plain = rows[0]
     if num_replicas < 2:
         return "none", "one replica: nothing crosses the wire"
