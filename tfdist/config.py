@@ -171,13 +171,7 @@ def _check_sharding(options: Any) -> None:
     """Validates the shard/offload/shard_min_bytes/shard_remat fields of a synchronous preset."""
     parallelism_lib.check_sharding(options.shard, options.offload)
     _check_count("shard_min_bytes", options.shard_min_bytes, "shard every variable")
-    _check_bool("shard_remat", options.shard_remat)
-    if not options.shard_remat and options.shard != "parameters":
-        raise ValueError(
-            "shard_remat=False keeps the weights a layer gathered until its backward pass, so "
-            "it only applies to shard='parameters' (stage 3, the only stage that gathers "
-            f"weights per layer). Received: shard={options.shard!r}, shard_remat=False. Fix: "
-            "shard='parameters', or drop shard_remat.")
+    parallelism_lib.check_shard_remat(options.shard_remat, options.shard)
 
 
 # --- gradient compression and buckets (tfdist/comm/) -----------------------------------

@@ -72,6 +72,19 @@ def check_sharding(shard: Any, offload: Any) -> None:
             "Add shard='optimizer' (or 'gradients', as ZeRO-Offload does), or drop offload.")
 
 
+def check_shard_remat(shard_remat: Any, shard: str) -> None:
+    """shard_remat is a bool, and False only with shard='parameters'."""
+    if not isinstance(shard_remat, bool):
+        raise ValueError(f"shard_remat must be True or False. Received: "
+                         f"shard_remat={shard_remat!r}")
+    if not shard_remat and shard != "parameters":
+        raise ValueError(
+            "shard_remat=False keeps the weights a layer gathered until its backward pass, so "
+            "it only applies to shard='parameters' (stage 3, the only stage that gathers "
+            f"weights per layer). Received: shard={shard!r}, shard_remat=False. Fix: "
+            "shard='parameters', or drop shard_remat.")
+
+
 def check_exchange_with_shard(what: str, shard: str) -> None:
     """Compression or buckets (`what`, e.g. "gradient_compression='bf16'") exclude a shard."""
     if shard != "none":
@@ -136,6 +149,10 @@ class Parallelism:
         (needs a shard); "none".
       gradient_compression: what the replicas' all-reduce sends: "none",
         "fp16", "bf16", "powersgd" (tfdist.comm).
+      shard_remat: with shard="parameters", True (default) gathers each weight
+        again in the backward pass and recomputes the layer's forward
+        (keras.remat); False keeps the gathered weights until the backward
+        pass (one gather per weight, no recomputation, more memory).
       stages: pipeline stages each replica's layers are cut into (split_model).
       micro_batches: micro-batches each replica's batch is cut into.
       schedule: how micro-batches go through the stages: "free", "gpipe", "1f1b".
@@ -162,12 +179,14 @@ class Parallelism:
     tensor: int = 1
     sequence: int = 1
     devices: tuple[str, ...] | None = None
+    shard_remat: bool = True
 
     def __post_init__(self):
         for name in ("replicas", "workers", "stages", "micro_batches", "tensor", "sequence"):
             check_degree(name, getattr(self, name))
         check_sharding(self.shard, self.offload)
         check_choice("gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
+        check_shard_remat(self.shard_remat, self.shard)
         check_choice("schedule", self.schedule, SCHEDULES)
         if self.gradient_compression != "none":
             check_exchange_with_shard(f"gradient_compression={self.gradient_compression!r}",
@@ -310,6 +329,8 @@ class Parallelism:
                           f"{self.schedule} schedule")
         if self.shard != "none":
             extras.append(f"shard={self.shard}")
+        if not self.shard_remat:
+            extras.append("shard_remat=False")
         if self.offload != "none":
             extras.append(f"offload={self.offload}")
         if self.gradient_compression != "none":
@@ -423,6 +444,8 @@ class Parallelism:
 
         inside = sorted(set(options) & ({f.name for f in dataclasses.fields(self)}
                                         | {"num_devices"}))
+        if "shard_remat" in inside and self.shard_remat:
+            inside.remove("shard_remat")  # the default here: the option decides
         if inside:
             raise ValueError(
                 f"{', '.join(inside)}: the Parallelism says this (replicas and devices choose "
@@ -436,6 +459,8 @@ class Parallelism:
                 f"{', '.join(sorted(options))}. Drop the options.")
         own = {name: getattr(self, name) for name in DATA_PARALLEL_FIELDS
                if getattr(self, name) != "none"}
+        if not self.shard_remat:
+            own["shard_remat"] = False
         if self.replicas == 1:
             if options:
                 raise ValueError(

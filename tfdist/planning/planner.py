@@ -52,36 +52,53 @@ class Variant:
         (ZeRO-3: and parameters, one layer gathered at a time), "offload"
         (optimizer slots on the host: none on the device).
       traffic: bytes moved per step relative to a ring all-reduce of the
-        gradients (ZeRO-3 gathers the weights in the forward and the backward
-        pass: 1.5; fp16/bf16 gradients: 0.5).
+        gradients (ZeRO-3 gathers the weights in the forward and, with
+        shard_remat, again in the backward pass: 1.5, else 1.0; fp16/bf16
+        gradients: 0.5).
       host_traffic: gradient bytes per step over the host link, per replica
         share (offload: gradients down and weights up: 2).
+      recompute: extra forward passes per step (ZeRO-3 with shard_remat: 1, a
+        third more than the step's 3 forward passes of FLOPs).
+      keeps_gathered: ZeRO-3 with shard_remat=False: every layer's gathered
+        weights live from its forward to its backward pass.
     """
 
-    options: tuple[tuple[str, str], ...]
+    options: tuple[tuple[str, Any], ...]
     summary: str
     state: str = ""
     traffic: float = 1.0
     host_traffic: float = 0.0
+    recompute: float = 0.0
+    keeps_gathered: bool = False
 
     def __post_init__(self):
-        unknown = [k for k, _ in self.options if k not in DATA_PARALLEL_FIELDS]
+        fields = DATA_PARALLEL_FIELDS + ("shard_remat",)
+        unknown = [k for k, _ in self.options if k not in fields]
         if unknown:
-            raise ValueError(f"A variant changes {', '.join(DATA_PARALLEL_FIELDS)} of a "
+            raise ValueError(f"A variant changes {', '.join(fields)} of a "
                              f"Parallelism. Received: {unknown}")
         Parallelism(replicas=2, **dict(self.options))  # the Parallelism's rules
 
 
 VARIANTS: tuple[Variant, ...] = (
     # Traffic factors: tfdist.planning.relative_traffic (ZeRO-1 and ZeRO-3 move 1.5x plain data
-    # parallelism's bytes, ZeRO-2 the same, half-precision gradients half).
+    # parallelism's bytes, ZeRO-2 and ZeRO-3 with shard_remat=False the same, half-precision
+    # gradients half).
     Variant((("shard", "optimizer"),), "optimizer slots sharded over the replicas (ZeRO-1)",
             state="optimizer", traffic=planning.relative_traffic(stage=1)),
     Variant((("shard", "gradients"),), "optimizer slots and gradients sharded (ZeRO-2)",
             state="gradients", traffic=planning.relative_traffic(stage=2)),
     Variant((("shard", "parameters"),), "slots, gradients and weights sharded, weights "
-            "gathered one layer at a time (ZeRO-3)", state="parameters",
-            traffic=planning.relative_traffic(stage=3)),
+            "gathered one layer at a time, again in the backward pass with the layer's forward "
+            "recomputed (ZeRO-3)", state="parameters",
+            traffic=planning.relative_traffic(stage=3),
+            recompute=planning.recomputed_forward_passes(stage=3)),
+    Variant((("shard", "parameters"), ("shard_remat", False)),
+            "slots, gradients and weights sharded, each layer's gathered weights kept until its "
+            "backward pass (ZeRO-3 without remat)", state="parameters",
+            traffic=planning.relative_traffic(stage=3, remat=False),
+            recompute=planning.recomputed_forward_passes(stage=3, remat=False),
+            keeps_gathered=True),
     Variant((("shard", "gradients"), ("offload", "optimizer")),
             "gradients sharded, optimizer slots and update on the host (ZeRO-Offload)",
             state="offload", traffic=planning.relative_traffic(stage=2), host_traffic=2.0),
@@ -147,10 +164,13 @@ def _variant_memory(base: planning.MemoryEstimate, variant: Variant, replicas: i
     if variant.state in ("gradients", "parameters", "offload"):
         memory = dataclasses.replace(memory, gradients=math.ceil(base.gradients / n))
     if variant.state == "parameters":
+        # The shards, and the whole weights gathered at once: one layer's with remat (the
+        # largest), every layer's at the turn from the forward to the backward pass without.
         bytes_per_param = stats.trainable_bytes / stats.num_params
         largest = max((layer.num_params for layer in stats.layers), default=0) * bytes_per_param
+        gathered = base.parameters if variant.keeps_gathered else largest
         memory = dataclasses.replace(
-            memory, parameters=math.ceil(base.parameters / n + largest))
+            memory, parameters=math.ceil(base.parameters / n + gathered))
     if variant.state == "offload":
         memory = dataclasses.replace(memory, optimizer=opt.scalar_bytes)
     return memory
@@ -170,7 +190,8 @@ class Candidate:
       communication_bytes: bytes per step over the busiest link (per rank for
         a ring, through the reducer/server otherwise).
       communication_time: alpha-beta estimate of that traffic, seconds.
-      compute_time: FLOPs / device peak, seconds (None without a peak).
+      compute_time: FLOPs / device peak, seconds (None without a peak); with
+        ZeRO-3's shard_remat the recomputed forward pass counts (4/3 of the step's).
       registered: the preset exists in this installation's registry.
       note: what this configuration means or why it is ruled out.
       options: the preset options of a variant, e.g. (("shard", "optimizer"),).
@@ -188,7 +209,7 @@ class Candidate:
     compute_time: float | None = None
     registered: bool = True
     note: str = ""
-    options: tuple[tuple[str, str], ...] = ()
+    options: tuple[tuple[str, Any], ...] = ()
     parallelism: Parallelism | None = None
 
     @property
@@ -277,7 +298,7 @@ class Recommendation:
     recommended: str | None
     reasons: tuple[str, ...]
     split: SplitSuggestion | None = None
-    recommended_options: tuple[tuple[str, str], ...] = ()
+    recommended_options: tuple[tuple[str, Any], ...] = ()
 
     def candidate(self, preset: str) -> Candidate:
         """The candidate for `preset`.
@@ -548,6 +569,8 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
                 communication_bytes=traffic,
                 communication_time=variant.traffic * base.communication_time
                 + host * link.seconds_per_byte,
+                compute_time=None if base.compute_time is None
+                else base.compute_time * (3 + variant.recompute) / 3,
                 note=variant.summary + ("" if registered_variant else
                                         " (not available in this installation)")))
 
@@ -564,7 +587,7 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
     fitting = [c for c in candidates if c.fits]
     split: SplitSuggestion | None = None
     recommended: str | None = None
-    recommended_options: tuple[tuple[str, str], ...] = ()
+    recommended_options: tuple[tuple[str, Any], ...] = ()
     sync_presets = ("default", "mirrored", "multi_worker_mirrored")
     sync = [c for c in fitting if c.preset in sync_presets and not c.options]
     variants = [c for c in fitting if c.preset in sync_presets and c.options and c.registered]
