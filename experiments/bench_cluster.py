@@ -36,11 +36,15 @@ processes measures:
   alone; hidden = (compute + exchange - step) / exchange, the share of the
   exchange the backward pass hid (clipped to [0, 1]);
 - the planner's prediction: `tfdist.planning.candidates` with that compute
-  time and an alpha-beta link calibrated by the first run of each
-  (nodes, rate) in the same lab (all-reduces of 16 KiB .. 4 MiB through
-  the same strategy), and `tfdist.planning.recommend`'s choice, judged
-  against the fastest method measured (fastest or within 10%). The cost
-  model assumes no overlap, so `buckets` is predicted as `none`.
+  time, an alpha-beta link calibrated by the first run of each
+  (nodes, rate) in the same lab (all-reduces of 16 KiB .. 16 MiB through
+  the same strategy), and the FLOP rate the worker reached on the step
+  (`tfdist.model_stats`' training FLOPs per worker batch / the compute-only
+  step) and the memory rate it streams at (`a + b` over gradient-sized
+  tensors): PowerSGD's own compute is costed at them (a roofline per op), and
+  `tfdist.planning.recommend`'s choice, judged against the fastest method
+  measured (fastest or within 10%). The cost model assumes no overlap, so
+  `buckets` is predicted as `none`.
 
 Needs root, `ip`, `tc` and `nsenter`; without them it prints why and exits 1.
 The namespaces and worker processes are removed when the program ends, on
@@ -78,7 +82,10 @@ PER_WORKER_BATCH = 64
 BERT = dict(vocabulary_size=8192, num_layers=2, num_heads=4, hidden_dim=256,
             intermediate_dim=1024, max_sequence_length=64, dropout=0.0)
 BERT_PER_WORKER_BATCH = 8
-CALIBRATION_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
+# Up to 16 MiB, past the largest exchange measured here (the MLP's 9.5 MB of gradients in one
+# collective): the alpha-beta fit is not extrapolated, and TensorFlow's gRPC ring moves large
+# messages at a lower rate than 1-4 MiB ones (docs/performance/benchmark.md).
+CALIBRATION_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 WORKER_TIMEOUT = 900
 # Targets on the 1 Gbit/s-equivalent link.
 POWERSGD_SPEEDUP_TARGET = 2.0
@@ -257,6 +264,12 @@ def _worker(config: dict, out: str) -> None:
                          if i not in sparse],
               "sparse": list(sparse.values())}
 
+    # Text inputs leave the sequence length unknown: every BERT input is (sequence,).
+    shapes = ([(BERT["max_sequence_length"],)] * len(model.inputs) if config["model"] == "bert"
+              else None)
+    result["train_flops"] = tfdist.model_stats(model, input_shapes=shapes) \
+        .train_flops_per_example * (batch // workers)
+    result["stream_bytes_per_second"] = stream_rate(tf, result["params"])
     result["compute_seconds"], result["comm_seconds"] = compute_and_exchange_seconds(
         tf, strategy, model, ds, time_steps, steps=steps, exchange_repeats=max(3, steps // 2),
         sparse_rows={i: s["rows"] for i, s in sparse.items()})
@@ -265,6 +278,25 @@ def _worker(config: dict, out: str) -> None:
     if task_id == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+
+
+def stream_rate(tf, numbers: int, repeats: int = 9) -> float:
+    """Bytes/s of `a + b` over float32 tensors of `numbers` elements: read 2, write 1.
+
+    The median of `repeats` runs of one tf.function on this worker's thread: the
+    memory rate PowerSGD's rank-r products and error feedback run at.
+    """
+    a = tf.random.uniform([numbers])
+    b = tf.random.uniform([numbers])
+    add = tf.function(lambda x, y: tf.reduce_sum(x + y))
+    add(a, b).numpy()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        add(a, b).numpy()
+        seconds.append(time.perf_counter() - start)
+    # reduce_sum reads the sum once more: 4 passes of 4 bytes per number
+    return 4 * 4 * numbers / statistics.median(seconds)
 
 
 def _calibrate(tf, strategy, repeats: int) -> list[list[float]]:
@@ -346,20 +378,35 @@ def sparse_exchange(sparse: list[dict], nodes: int, link) -> tuple[float, float]
     return seconds, sent
 
 
+def flop_rate(result: dict) -> float:
+    """FLOP/s the worker reached: training FLOPs per worker batch / compute-only step.
+
+    A result without `train_flops` (written before it was recorded) gets the
+    cost model's default, 100 GFLOP/s.
+    """
+    if not result.get("train_flops") or result["compute_seconds"] <= 0:
+        return 100e9
+    return result["train_flops"] / result["compute_seconds"]
+
+
 def _predict(result: dict, method: str, nodes: int, link) -> dict:
     """The planner's costs for the dense gradients, plus the sparse ones' all-gather."""
     from tfdist import planning
 
     extra, extra_sent = sparse_exchange(result.get("sparse", []), nodes, link)
     kwargs = dict(shapes=[tuple(s) for s in result["shapes"]], num_replicas=nodes, link=link,
-                  compute_seconds=result["compute_seconds"] + extra, rank=POWERSGD_RANK)
+                  compute_seconds=result["compute_seconds"] + extra, rank=POWERSGD_RANK,
+                  flops_per_second=flop_rate(result),
+                  bytes_per_second=result.get("stream_bytes_per_second"))
     by_method = {c.compression: c for c in planning.candidates(**kwargs)}
     choice, reason = planning.recommend(**kwargs)
     predicted = by_method[METHODS[method].get("gradient_compression", "none")]
     return {"predicted_step": predicted.step_seconds,
             "predicted_wire": planning.ring_allreduce_bytes_per_rank(predicted.wire_bytes, nodes)
             + extra_sent,
-            "predicted_comm": predicted.comm_seconds + extra, "recommendation": choice,
+            "predicted_comm": predicted.comm_seconds + predicted.compute_seconds + extra,
+            "flops_per_second": kwargs["flops_per_second"],
+            "bytes_per_second": kwargs["bytes_per_second"], "recommendation": choice,
             "reason": reason}
 
 
@@ -441,7 +488,9 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                                 f"Mbit/s): one TCP stream {probe['bytes_per_second'] * 8 / 1e6:.0f}"
                                 f" Mbit/s, RTT {probe['rtt_seconds'] * 1e6:.0f} us; all-reduce "
                                 f"alpha {link.latency * 1e3:.2f} ms, "
-                                f"{link.bandwidth / 1e6:.2f} MB/s")
+                                f"{link.bandwidth / 1e6:.2f} MB/s (all-reduce "
+                                + ", ".join(f"{size >> 10} KiB {seconds * 1e3:.2f} ms"
+                                            for size, seconds in points) + ")")
                         result.update(_predict(result, method, n, link))
                         measured.setdefault((n, rate, model, method), []).append(result)
                         loads.append(os.getloadavg()[0])
@@ -504,6 +553,10 @@ def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
                         f"{r['predicted_comm'] * 1e3:.1f} ms, no overlap"
                         + (f", buckets of {bucket_bytes} bytes costed as none"
                            if method == "buckets" else "")
+                        + (f"; its own compute at {r['flops_per_second'] / 1e9:.0f} GFLOP/s"
+                           + (f", {r['bytes_per_second'] / 1e9:.1f} GB/s"
+                              if r.get("bytes_per_second") else "")
+                           if method == "powersgd" and "flops_per_second" in r else "")
                         + f"); recommends {r['recommendation']}: {r['reason']}"))
     rows += _target_rows(measured, row, bucket_bytes)
     return rows
