@@ -37,7 +37,7 @@ processes measures:
   exchange the backward pass hid (clipped to [0, 1]);
 - the planner's prediction: `tfdist.planning.candidates` with that compute
   time, an alpha-beta link calibrated by the first run of each
-  (nodes, rate) in the same lab (all-reduces of 16 KiB .. 16 MiB through
+  (nodes, rate) in the same lab (all-reduces of 16 KiB .. 4 MiB through
   the same strategy), and the FLOP rate the worker reached on the step
   (`tfdist.model_stats`' training FLOPs per worker batch / the compute-only
   step) and the memory rate it streams at (`a + b` over gradient-sized
@@ -82,10 +82,9 @@ PER_WORKER_BATCH = 64
 BERT = dict(vocabulary_size=8192, num_layers=2, num_heads=4, hidden_dim=256,
             intermediate_dim=1024, max_sequence_length=64, dropout=0.0)
 BERT_PER_WORKER_BATCH = 8
-# Up to 16 MiB, past the largest exchange measured here (the MLP's 9.5 MB of gradients in one
-# collective): the alpha-beta fit is not extrapolated, and TensorFlow's gRPC ring moves large
-# messages at a lower rate than 1-4 MiB ones (docs/performance/benchmark.md).
-CALIBRATION_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+# Up to 4 MiB. A 16 MiB point (past the MLP's 9.5 MB pack) moved its predicted exchange by
+# 3.6% at 10 Gbit/s-eq (docs/performance.md) and costs ~2.5 s per all-reduce at 1 Gbit/s-eq.
+CALIBRATION_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
 WORKER_TIMEOUT = 900
 # Targets on the 1 Gbit/s-equivalent link.
 POWERSGD_SPEEDUP_TARGET = 2.0
