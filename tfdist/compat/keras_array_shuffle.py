@@ -43,16 +43,13 @@ from tfdist.compat import _patch, keras_epoch_iterator, keras_multi_worker
 UPSTREAM_ISSUE = ("keras-team/keras#23043 and #23046 (keras.distribution's array input seeded "
                   "by epoch; under a tf.distribute strategy Keras draws each worker's order "
                   "unseeded)")
-_SHARED = "_tfdist_shared_shuffle"  # set on an epoch iterator whose dataset this fix built
+# On an epoch iterator whose dataset this fix built: True once its first pass has begun.
+_SHARED = "_tfdist_shared_shuffle"
 _building = threading.local()  # the strategy whose epoch iterator is building its dataset
 
 
-def _array_adapter_class():
-    return _patch.upstream("keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter")
-
-
-def _tf_epoch_iterator_class():
-    return _patch.upstream("keras.src.backend.tensorflow.trainer.TFEpochIterator")
+_array_adapter_class = keras_epoch_iterator._array_adapter_class
+_tf_epoch_iterator_class = keras_epoch_iterator._tf_epoch_iterator_class
 
 
 def _unseeded() -> bool:
@@ -153,7 +150,7 @@ def _make_init(original):
             original(self, distribute_strategy, *args, **kwargs)
         adapter = getattr(self, "data_adapter", None)
         if isinstance(adapter, _array_adapter_class()) and adapter._shuffle:
-            setattr(self, _SHARED, 0)  # passes started; the first is the one built above
+            setattr(self, _SHARED, False)  # its first pass reads the dataset built above
 
     return __init__
 
@@ -183,13 +180,12 @@ def _get_iterator_applies(self) -> bool:
 def _make_get_iterator(original):
     @_patch.passthrough(original, _get_iterator_applies)
     def _get_iterator(self):
-        passes = getattr(self, _SHARED)
-        if passes:  # every pass after the first: the dataset again, under a new agreed seed
+        if getattr(self, _SHARED):  # every pass after the first: a new agreed seed
             strategy = self._distribute_strategy
             with _building_for(strategy):
                 dataset = self.data_adapter.get_tf_dataset()
             self._distributed_dataset = strategy.experimental_distribute_dataset(dataset)
-        setattr(self, _SHARED, passes + 1)
+        setattr(self, _SHARED, True)
         return original(self)
 
     return _get_iterator

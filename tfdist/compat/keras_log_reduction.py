@@ -33,7 +33,7 @@ log value) and with it (one for all of them).
 
 from __future__ import annotations
 
-from tfdist.compat import _owner, _patch, keras_multi_worker
+from tfdist.compat import _patch, keras_multi_worker
 
 UPSTREAM_ISSUE = ("keras-team/keras#20585 (Keras's multi-worker log reduction; every value "
                   "its own collective)")
@@ -45,9 +45,7 @@ _trainer_module = keras_multi_worker._trainer_module
 _check = keras_multi_worker._check_reduce_per_replica
 
 
-def _multi_worker_owned(strategy) -> bool:
-    return (_owner.owns(strategy)
-            and bool(_trainer_module()._collective_all_reduce_multi_worker(strategy)))
+_multi_worker_owned = keras_multi_worker._multi_worker_owned
 
 
 def packable_indices(flat: list, strategy) -> dict:
