@@ -1,9 +1,9 @@
 """One process of test_untouched.py: maybe make a tfdist preset, then train plain Keras.
 
-    python tests/compat/run_untouched.py --preset NAME --out FILE.npz
+    python tests/compat/run_untouched.py --preset NAME[,NAME...] --out FILE.npz
     python tests/compat/run_untouched.py --preset none --out FILE.npz   # never imports tfdist
 
-After making the preset (or nothing), the process trains, with no tfdist
+After making the presets, in the order given (or nothing), the process trains, with no tfdist
 involved, the way users' own code does:
 - a plain model (Embedding with repeated ids, i.e. sparse gradients with
   duplicate indices; BatchNormalization; Dense; Adam; a metric) with `fit`,
@@ -370,11 +370,12 @@ def main() -> int:
         import tfdist
 
         tfdist.configure_logical_devices(2)
-        options = {"parameter_server": {"local_workers": 1, "local_ps": 2, "shard_count": 2},
-                   "mirrored": {"num_devices": 2}}.get(args.preset, {})
-        strategy = tfdist.make_strategy(args.preset, **options)
-        print("made", type(strategy).__name__, "fixes:", ",".join(tfdist.compat.installed()),
-              flush=True)
+        for preset in args.preset.split(","):
+            options = {"parameter_server": {"local_workers": 1, "local_ps": 2, "shard_count": 2},
+                       "mirrored": {"num_devices": 2}}.get(preset, {})
+            strategy = tfdist.make_strategy(preset, **options)
+            print("made", preset, type(strategy).__name__, "fixes:",
+                  ",".join(tfdist.compat.installed()), flush=True)
         if args.opt_in:
             import keras
 
