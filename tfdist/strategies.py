@@ -445,10 +445,10 @@ MULTI_WORKER_FEATURES: tuple[Feature, ...] = (
             "reduced in one collective instead of one each (keras-team/keras#20585)",
             # After keras_multi_worker's fix (so around it): one collective for the logs.
             when="always", fixes=("keras_log_reduction",), attach=_installs("keras_log_reduction")),
-    Feature("keras_array_shuffle", "fit on NumPy arrays with shuffling draws one order per "
-            "epoch, the same on every worker, so each example is trained once per epoch "
-            "(without a global seed each worker drew its own)",
-            when="always", fixes=("keras_array_shuffle",), attach=_installs("keras_array_shuffle")),
+    Feature("keras_array_input", "fit/evaluate/predict on NumPy arrays: one order per epoch, "
+            "the same on every worker (without a global seed each drew its own), and each "
+            "worker gathers only its share of every global batch (not all of it)",
+            when="always", fixes=("keras_array_input",), attach=_installs("keras_array_input")),
 )
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests.support import REPO, run_python
-from tfdist.compat import keras_array_shuffle
+from tfdist.compat import keras_array_input
 
 RUN = os.path.join(REPO, "tests", "compat", "run_untouched.py")
 
@@ -190,7 +190,7 @@ def test_uninstall_restores_every_original():
     lines = _uninstall_run("mirrored", "multi_worker_mirrored", "one_device", "auto")
     assert {"keras_build.symbolic_build", "keras_multi_worker.reduce_per_replica",
             "keras_log_reduction.reduce_per_replica", "optimizer_update.backend_update_step",
-            "placed_training.optimizer_slots", *keras_array_shuffle.NAMES} <= set(
+            "placed_training.optimizer_slots", *keras_array_input.NAMES} <= set(
         lines["installed"].split(","))
 
 
