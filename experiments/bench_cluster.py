@@ -23,7 +23,8 @@ config (`BERT`: 2 layers, hidden 256, 4 heads, vocabulary 8192, random weights) 
 sequences of 64 synthetic token ids per worker, Adam. Its token and segment embeddings
 have IndexedSlices gradients: TensorFlow all-gathers their rows (no method compresses
 them), so the exchange alone sends them as such and the prediction adds their all-gather
-to the planner's cost of the dense gradients (`sparse_exchange`).
+to the cost of the dense gradients (`tfdist.planning.sparse_exchange`, for the variables
+`tfdist.model_stats` finds in `sparse_gradients`).
 
 For every nodes x rate x model x method (none; `buckets`: `--bucket_bytes`,
 default 1 MiB; fp16; bf16; powersgd rank 4, no warm-up), one fresh set of worker
@@ -44,7 +45,8 @@ processes measures:
   tensors): PowerSGD's own compute is costed at them (a roofline per op), and
   `tfdist.planning.recommend`'s choice, judged against the fastest method
   measured (fastest or within 10%). The cost model assumes no overlap, so
-  `buckets` is predicted as `none`.
+  `buckets` is predicted as `none` with the latency paid once per bucket
+  (`tfdist.planning.bucket_collectives`).
 
 Needs root, `ip`, `tc` and `nsenter`; without them it prints why and exits 1.
 The namespaces and worker processes are removed when the program ends, on
@@ -53,6 +55,7 @@ error too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -184,38 +187,6 @@ def _bert_and_data(workers: int, keras, np, tf):
     return model, ds, batch, {"optimizer": keras.optimizers.Adam(5e-5)}
 
 
-def gradient_layout(tf, model, x, run=None) -> dict[int, dict]:
-    """{index of a trainable variable: its sparse gradient} from a trace of one gradient.
-
-    Traces (runs nothing) the gradient of the model's summed outputs on the batch `x`,
-    inside `run` (a strategy's `run`) when given: which gradients are IndexedSlices (an
-    embedding's lookup) depends on the model, not on the loss. Each is described by
-    {"rows", "row_bytes", "index_bytes"}: it crosses the wire as its rows and their
-    indices, not as the variable. Dense gradients are not listed.
-    """
-    found = {}
-
-    def replica():
-        with tf.GradientTape() as tape:
-            total = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32))
-        grads = tape.gradient(total, model.trainable_variables)
-        for index, g in enumerate(grads):
-            if isinstance(g, tf.IndexedSlices):
-                rows = g.values.shape[0]
-                if rows is None:
-                    raise ValueError(f"{model.trainable_variables[index].path}: the gradient's "
-                                     "rows are not known when traced; pass a batch of fixed "
-                                     "shape.")
-                found[index] = {"rows": int(rows),
-                                "row_bytes": g.values.shape[1:].num_elements()
-                                * g.values.dtype.size,
-                                "index_bytes": g.indices.dtype.size}
-        return total
-
-    tf.function(lambda: run(replica) if run is not None else replica()).get_concrete_function()
-    return found
-
-
 def _worker(config: dict, out: str) -> None:
     import numpy as np
 
@@ -235,8 +206,11 @@ def _worker(config: dict, out: str) -> None:
         keras.utils.set_random_seed(0)
         model, ds, batch, compile_args = _model_and_data(config["model"], workers, keras, np, tf)
         model.compile(**compile_args)
-        x, _ = next(iter(ds.unbatch().batch(batch // workers)))
-        sparse = gradient_layout(tf, model, x, run=strategy.run)
+    # Text inputs leave the sequence length unknown: every BERT input is (sequence,).
+    shapes = ([(BERT["max_sequence_length"],)] * len(model.inputs) if config["model"] == "bert"
+              else None)
+    stats = tfdist.model_stats(model, input_shapes=shapes)
+    sparse = {g.index: g for g in stats.sparse_gradients}
 
     class Clock(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -261,17 +235,13 @@ def _worker(config: dict, out: str) -> None:
               "params": int(model.count_params()),
               "shapes": [list(v.shape) for i, v in enumerate(model.trainable_variables)
                          if i not in sparse],
-              "sparse": list(sparse.values())}
-
-    # Text inputs leave the sequence length unknown: every BERT input is (sequence,).
-    shapes = ([(BERT["max_sequence_length"],)] * len(model.inputs) if config["model"] == "bert"
-              else None)
-    result["train_flops"] = tfdist.model_stats(model, input_shapes=shapes) \
-        .train_flops_per_example * (batch // workers)
+              "sparse": [dataclasses.asdict(g) for g in sparse.values()],
+              "bucket_bytes": config["options"].get("bucket_bytes", 0)}
+    result["train_flops"] = stats.train_flops_per_example * (batch // workers)
     result["stream_bytes_per_second"] = stream_rate(tf, result["params"])
     result["compute_seconds"], result["comm_seconds"] = compute_and_exchange_seconds(
         tf, strategy, model, ds, time_steps, steps=steps, exchange_repeats=max(3, steps // 2),
-        sparse_rows={i: s["rows"] for i, s in sparse.items()})
+        sparse_rows={i: g.rows_per_example * (batch // workers) for i, g in sparse.items()})
     if config.get("calibrate"):
         result["calibration"] = _calibrate(tf, strategy, config["calibrate"])
     if task_id == 0:
@@ -361,22 +331,6 @@ def _run_workers(lab, config: dict, port: int) -> dict:
             return json.load(f)
 
 
-def sparse_exchange(sparse: list[dict], nodes: int, link) -> tuple[float, float]:
-    """(seconds, bytes each rank sends) of the IndexedSlices gradients' exchange.
-
-    TensorFlow's collective all-reduce gathers an IndexedSlices: one all-gather of the
-    lengths, then one of the values and one of the indices. A ring all-gather of b bytes
-    per rank sends (N-1) b and takes (N-1)(a + b / bandwidth) in the alpha-beta model.
-    No method compresses them.
-    """
-    seconds = sent = 0.0
-    for s in sparse:
-        for size in (4, s["rows"] * s["row_bytes"], s["rows"] * s["index_bytes"]):
-            sent += (nodes - 1) * size
-            seconds += (nodes - 1) * (link.latency + size / link.bandwidth)
-    return seconds, sent
-
-
 def flop_rate(result: dict) -> float:
     """FLOP/s the worker reached: training FLOPs per worker batch / compute-only step.
 
@@ -392,9 +346,13 @@ def _predict(result: dict, method: str, nodes: int, link) -> dict:
     """The planner's costs for the dense gradients, plus the sparse ones' all-gather."""
     from tfdist import planning
 
-    extra, extra_sent = sparse_exchange(result.get("sparse", []), nodes, link)
+    sparse = [planning.SparseGradient(**g) for g in result.get("sparse", [])]
+    extra, extra_sent = planning.sparse_exchange(
+        sparse, per_replica_batch_size=result["global_batch"] // nodes, num_replicas=nodes,
+        link=link) if sparse else (0.0, 0.0)
     kwargs = dict(shapes=[tuple(s) for s in result["shapes"]], num_replicas=nodes, link=link,
                   compute_seconds=result["compute_seconds"] + extra, rank=POWERSGD_RANK,
+                  bucket_bytes=result.get("bucket_bytes", 0),
                   flops_per_second=flop_rate(result),
                   bytes_per_second=result.get("stream_bytes_per_second"))
     by_method = {c.compression: c for c in planning.candidates(**kwargs)}
@@ -550,7 +508,7 @@ def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
                         "x", f"planner predicts {r['predicted_step'] * 1e3:.1f} ms (compute "
                         f"{r['compute_seconds'] * 1e3:.1f} + exchange "
                         f"{r['predicted_comm'] * 1e3:.1f} ms, no overlap"
-                        + (f", buckets of {bucket_bytes} bytes costed as none"
+                        + (f", buckets of {bucket_bytes} bytes: the latency once per bucket"
                            if method == "buckets" else "")
                         + (f"; its own compute at {r['flops_per_second'] / 1e9:.0f} GFLOP/s"
                            + (f", {r['bytes_per_second'] / 1e9:.1f} GB/s"

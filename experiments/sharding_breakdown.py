@@ -9,7 +9,8 @@ at once and measured in interleaved rounds:
 
 - `none`; `parameters` (each sharded layer under keras.remat);
   `parameters_noremat` (`shard_remat=False`); `none_remat` (no sharding, each
-  Dense under `keras.remat`: the recomputed forward pass alone);
+  Dense under `keras.remat`: the recomputed forward pass alone); `gradients`
+  and `optimizer` (ZeRO-2 and ZeRO-1, for their memory);
 - in the `none` process, the collectives alone, one `tf.function` running both
   replicas: 8 all-gathers of 2 MB blocks (stage 3's forward and backward
   gathers of the four 4 MB kernels), the same bytes in 2 all-gathers, 4
@@ -17,7 +18,11 @@ at once and measured in interleaved rounds:
   the model's 16.9 MB of gradients.
 
 Prints each median (ms), each step's ratio to `none`, the allocator peak of
-one step (whole process, TF_CPU_ALLOCATOR_USE_BFC=1) and the load average.
+one step (whole process, TF_CPU_ALLOCATOR_USE_BFC=1), the peak over what was
+allocated when the step began (the step's own gradients, exchange buffers,
+gathered weights and activations, both replicas together; what
+`tfdist.planning`'s memory model adds to the state at rest) and the load
+average.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import time
 
 from absl import app, flags
 
-VARIANTS = ("none", "parameters", "parameters_noremat", "none_remat")
+VARIANTS = ("none", "parameters", "parameters_noremat", "none_remat", "gradients", "optimizer")
 WIDTH, LAYERS, BATCH = 1024, 4, 256
 
 _FLAGS = flags.FLAGS
@@ -50,7 +55,7 @@ def _worker(variant: str) -> None:
 
     from tfdist.compat import sharding_collectives as collectives
 
-    options = {}
+    options = {"shard": variant} if variant in ("optimizer", "gradients") else {}
     if variant.startswith("parameters"):
         options = {"shard": "parameters", "shard_remat": variant == "parameters"}
     strategy = tfdist.make_strategy("mirrored", devices=("/cpu:1", "/cpu:2"), **options)
@@ -76,6 +81,7 @@ def _worker(variant: str) -> None:
     model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)  # trace, warm up
     step = model.make_train_function()
     tf.config.experimental.reset_memory_stats("CPU:0")
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     step(iterator)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     timed = {"step": lambda: float(step(iterator)["loss"])}
@@ -103,7 +109,7 @@ def _worker(variant: str) -> None:
             function()
             timed[name] = lambda function=function: [
                 t.numpy() for t in strategy.experimental_local_results(function())]
-    print("ready " + json.dumps({"peak": peak}), flush=True)
+    print("ready " + json.dumps({"peak": peak, "resident": resident}), flush=True)
     for line in sys.stdin:
         if line.split()[:1] != ["run"]:
             break
@@ -143,7 +149,7 @@ def main(argv) -> int:
             procs[variant] = subprocess.Popen(
                 [sys.executable, "-m", "experiments.sharding_breakdown", f"--worker={variant}"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
-            peaks[variant] = json.loads(_read(procs[variant], "ready ")[6:])["peak"]
+            peaks[variant] = json.loads(_read(procs[variant], "ready ")[6:])
         for _ in range(_FLAGS.rounds):
             for variant, proc in procs.items():
                 proc.stdin.write(f"run {_FLAGS.steps}\n")
@@ -165,7 +171,9 @@ def main(argv) -> int:
             median = float(np.median(values))
             ratio = f"  {median / base:.3f} x none" if name == "step" else ""
             print(f"{variant:20s} {name:22s} {median * 1e3:8.2f} ms{ratio}")
-        print(f"{variant:20s} {'allocator peak':22s} {peaks[variant] / 2**20:8.1f} MB")
+        peak, resident = peaks[variant]["peak"], peaks[variant]["resident"]
+        print(f"{variant:20s} {'allocator peak':22s} {peak / 2**20:8.1f} MB")
+        print(f"{variant:20s} {'peak over resident':22s} {(peak - resident) / 2**20:8.1f} MB")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

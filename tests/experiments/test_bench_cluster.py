@@ -4,6 +4,7 @@ Network namespaces need root, `ip`, `tc` and `nsenter`; without them (or where t
 kernel refuses a new namespace) the end-to-end test is skipped with the reason.
 """
 
+import dataclasses
 import glob
 import math
 import subprocess
@@ -88,12 +89,14 @@ def test_kerashub_model_and_what_reaches_the_planner():
     x, y = next(iter(ds))
     assert batch == 16 and y.shape == (16,) and x["token_ids"].shape == (16, 64)
     assert set(x) == {"token_ids", "segment_ids", "padding_mask"}
-    sparse = bench_cluster.gradient_layout(tf, model, {k: v[:8] for k, v in x.items()})
+    found = planning.sparse_gradients(model, input_shapes=[(64,)] * 3)
+    sparse = {g.index: g for g in found}
     variables = model.trainable_variables
-    # The token and segment embeddings' gradients are their 8 x 64 looked-up rows of 256
-    # floats; the position embedding is sliced, so dense.
-    assert {variables[i].path: s for i, s in sparse.items()} == {
-        path: {"rows": 512, "row_bytes": 1024, "index_bytes": 4}  # int32 token ids
+    # The token and segment embeddings' gradients are their 64 looked-up rows of 256 floats
+    # per sequence; the position embedding is sliced, so dense.
+    assert {variables[i].path: (g.variable, g.rows_per_example, g.row_bytes, g.index_bytes)
+            for i, g in sparse.items()} == {
+        path: (path, 64, 1024, 4)  # int32 token ids
         for path in ("token_embedding/embeddings", "segment_embedding/embeddings")}
     dense = [tuple(v.shape) for i, v in enumerate(variables) if i not in sparse]
     dense_bytes = 4 * sum(math.prod(s) for s in dense)
@@ -102,9 +105,10 @@ def test_kerashub_model_and_what_reaches_the_planner():
     powersgd.check_rank([(v.path, tuple(v.shape)) for v in variables], bench_cluster.POWERSGD_RANK)
 
     link = planning.Link(bandwidth=7e6, latency=2e-4)
-    result = {"shapes": dense, "sparse": list(sparse.values()), "compute_seconds": 0.1}
-    # Per embedding, three all-gathers (lengths, values, indices), each sending one rank's
-    # bytes to the other of 2 nodes.
+    result = {"shapes": dense, "sparse": [dataclasses.asdict(g) for g in found],
+              "compute_seconds": 0.1, "global_batch": 16}
+    # Per embedding, three all-gathers (lengths, values, indices) of the 8 x 64 rows of a
+    # worker's batch, each sending one rank's bytes to the other of 2 nodes.
     gathered = [4, 512 * 1024, 512 * 4]
     sparse_seconds = 2 * sum(link.latency + b / link.bandwidth for b in gathered)
     for method, compression in (("none", "none"), ("fp16", "fp16"), ("powersgd", "powersgd")):

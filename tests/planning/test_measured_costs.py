@@ -82,23 +82,24 @@ def test_planner_recommends_stage3_where_only_it_fits():
     weights = stats.trainable_bytes
     fits = {c.name: c.fits for c in plan.candidates}
     assert not fits["mirrored"] and fits["mirrored[shard=parameters]"]
-    # On 1 GB devices ZeRO-2 fits and is cheapest. Stage 3 without remat moves the same bytes
-    # and computes as much, but holds every gathered weight besides the shards (W + W/N, more
-    # than ZeRO-2's W): in this memory model, where it fits ZeRO-2 fits and is preferred.
-    assert plan.recommended_options == (("shard", "gradients"),)
+    # ZeRO-2 holds W of weights, W/4 of reduced gradients and 2W/4 of slots, and while it
+    # reduce-scatters, the packed local gradients and the all-to-all's receive buffer (2W):
+    # 3.75 W = 1.007 GB, over 1 GB. Stage 3 without remat holds W/4 + W gathered + W/4 + 2W/4
+    # = 2W, moves the ring's bytes and computes no more: recommended.
     kept = plan.candidate_named("mirrored[shard=parameters,shard_remat=False]")
     zero2 = plan.candidate_named("mirrored[shard=gradients]")
-    assert kept.memory.total == zero2.memory.total + weights // 4
-    # Devices too small for ZeRO-2: stage 3 with remat (one layer gathered at a time).
+    assert plan.recommended_options == (("shard", "parameters"), ("shard_remat", False))
+    assert kept.memory.total < zero2.memory.total and not zero2.fits
+    assert zero2.memory.exchange == 2 * weights and kept.memory.exchange == 0
+    # Devices too small for that: stage 3 with remat (one layer gathered at a time).
     small = planning.Machine(device=planning.Device(
-        kind="GPU", memory=zero2.memory.total - 1, peak_flops=10e12), num_devices=4,
+        kind="GPU", memory=kept.memory.total - 1, peak_flops=10e12), num_devices=4,
         link=planning.Link(bandwidth=10e9, latency=1e-5))
     tight = planning.plan(stats=stats, global_batch_size=32, machine=small)
     assert not tight.candidate_named("mirrored[shard=parameters,shard_remat=False]").fits
-    assert tight.recommended_options in ((("shard", "parameters"),),
-                                         (("shard", "gradients"), ("offload", "optimizer")))
+    assert tight.recommended_options == (("shard", "parameters"),)
     assert tight.recommended_candidate.fits
-    assert tight.parallelism.preset_options().shard in ("parameters", "gradients")
+    assert tight.parallelism.preset_options().shard == "parameters"
 
 
 def test_parallelism_carries_shard_remat():
@@ -207,6 +208,20 @@ def test_documented_run_predicted_within_30_percent_and_recommendation_fastest()
     # (0.68 -> 0.71); at 25 its compute is stream-bound, and this run measured no streaming
     # rate: FLOPs alone leave it at 0.64 (its 3 rounds stepped 37.6, 47.1 and 56.9 ms).
     assert misses == {(25, "powersgd"): 0.64}
+
+
+def test_buckets_predicted_with_the_latency_per_bucket():
+    # The documented `buckets` runs (1 MiB buckets: 12 collectives for this MLP): paying the
+    # latency once per bucket brings each prediction within 3% of the measured step; costed as
+    # one message they were 3%, 7% and 14% under.
+    for rate, methods in DOC_STEPS.items():
+        step, compute = methods["buckets"]
+        per_bucket = {"link": DOC_LINKS[rate], "result": {"bucket_bytes": 1 << 20}}
+        ratio, _ = _ratio(rate, "buckets", step, compute, extra=per_bucket)
+        assert abs(ratio - 1) <= 0.03, (rate, ratio)
+    step, compute = DOC_STEPS[25]["buckets"]
+    one_message, _ = _ratio(25, "buckets", step, compute)  # negative control
+    assert one_message < 0.9
 
 
 def test_model_rate_lower_bound_still_below_measured_powersgd():

@@ -35,27 +35,35 @@ def test_one_billion_params_on_8x80gb_is_mirrored_with_the_numbers():
     assert plan.recommended == "mirrored"
     mirrored = plan.candidate("mirrored")
     assert mirrored.per_replica_batch_size == 64
-    # weights 4e9 + grads 4e9 + Adam 8e9 (+12 scalar bytes) + activations 64 x 1e6
-    assert mirrored.memory.total == 16 * 10**9 + 12 + 64 * 10**6
+    # weights 4e9 + grads 4e9 + Adam 8e9 (+12 scalar bytes) + activations 64 x 1e6, and the
+    # all-reduce's pack of the local gradients, 4e9
+    assert mirrored.memory.exchange == 4 * 10**9
+    assert mirrored.memory.total == 16 * 10**9 + 12 + 64 * 10**6 + 4 * 10**9
     assert mirrored.communication_bytes == pytest.approx(2 * 7 / 8 * 4e9)
     assert mirrored.communication_time == pytest.approx(14 * 5e-6 + 2 * 7 / 8 * 4e9 / 300e9)
     assert any("ring all-reduce sends 6.52 GiB per rank" in r for r in plan.reasons)
     assert plan.split is None
 
 
-def test_model_whose_state_does_not_fit_gets_the_cheapest_sharding_stage():
+def test_model_whose_state_does_not_fit_gets_the_cheapest_sharding_variant_that_fits():
     plan = tfdist.plan(stats=_stats(7e9), global_batch_size=512, machine=_node())
-    # 7e9 x 16 bytes = 112 GB per replica does not fit 80 GB. ZeRO-1 over 8 (28 + 28 + 56/8 =
-    # 63 GB) and ZeRO-2 (28 + 28/8 + 56/8 = 38.5 GB) both fit; ZeRO-2 moves fewer bytes.
+    # W = 28 GB of weights; 7e9 x 16 bytes = 112 GB per replica + the all-reduce's pack (W)
+    # does not fit 80 GB. Over 8 replicas ZeRO-1 (28 + 28 + 56/8 + W = 91 GB) and ZeRO-2
+    # (28 + 28/8 + 56/8 + its packed gradients and all-to-all receive buffer, 2W = 94.5 GB) do
+    # not either; ZeRO-3 without remat (28/8 + W gathered + 28/8 + 56/8 = 42 GB) fits and
+    # moves the ring's bytes, ZeRO-3 with remat (14 GB) 1.5x them.
     assert not plan.candidate("mirrored").fits
-    assert (plan.recommended, plan.recommended_options) == ("mirrored", (("shard", "gradients"),))
+    assert not plan.candidate_named("mirrored[shard=optimizer]").fits
+    assert not plan.candidate_named("mirrored[shard=gradients]").fits
+    assert (plan.recommended, plan.recommended_options) == (
+        "mirrored", (("shard", "parameters"), ("shard_remat", False)))
     chosen = plan.recommended_candidate
-    assert chosen.memory.total == 28 * 10**9 + 3_500_000_000 + 7 * 10**9 + 12
+    assert chosen.memory.total == 3_500_000_000 + 28 * 10**9 + 3_500_000_000 + 7 * 10**9 + 12
     assert chosen.communication_bytes == plan.candidate("mirrored").communication_bytes
-    stage1 = plan.candidate_named("mirrored[shard=optimizer]")
-    assert stage1.fits and stage1.communication_bytes > chosen.communication_bytes
-    assert any("Apply it with tfdist.make_strategy('mirrored', shard='gradients')" in r
-               for r in plan.reasons)
+    remat = plan.candidate_named("mirrored[shard=parameters]")
+    assert remat.fits and remat.communication_bytes > chosen.communication_bytes
+    assert any("Apply it with tfdist.make_strategy('mirrored', shard='parameters', "
+               "shard_remat=False)" in r for r in plan.reasons)
 
 
 def test_model_too_big_for_one_device_gets_a_checked_split(monkeypatch):
@@ -166,7 +174,7 @@ def test_plan_as_dict_is_json():
     plan = tfdist.plan(stats=_stats(7e9), global_batch_size=512, machine=_node())
     data = json.loads(json.dumps(plan.as_dict()))
     assert data["recommended"] == "mirrored"
-    assert data["recommended_options"] == {"shard": "gradients"}
+    assert data["recommended_options"] == {"shard": "parameters", "shard_remat": False}
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -278,9 +286,10 @@ def test_cli_text_for_8_gpus():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "hardware: 1 machine(s) x 8 GPU(s), 74.51 GiB each" in out
-    assert "recommended: mirrored, shard='gradients'" in out
-    assert "mirrored[shard=gradients]" in out and "35.86 GiB" in out
-    assert "mirrored" in out and "104.31 GiB" in out  # the unsharded replica, ruled out
+    assert "recommended: mirrored, shard='parameters', shard_remat=False" in out
+    assert "mirrored[shard=parameters,shard_remat=False]" in out and "39.12 GiB" in out
+    assert "mirrored" in out and "130.39 GiB" in out  # the unsharded replica, ruled out
+    assert "mirrored[shard=gradients]" in out and "88.01 GiB" in out  # ZeRO-2's buffers
 
 
 def test_cli_json_cluster_and_exit_status_when_nothing_fits(tmp_path):
@@ -385,14 +394,15 @@ def test_cli_bad_input_is_a_clear_error(args, message):
 # --- variants: sharding, offload, gradient compression ------------------------------------
 
 
-def _four_gpus(memory="24GB"):
+def _four_gpus(memory="32GB"):
     return planning.Machine(device=planning.Device(memory=planning.parse_bytes(memory)),
                             num_devices=4, link=planning.Link(bandwidth=100e9))
 
 
 def test_variants_are_costed_and_only_available_ones_recommended(monkeypatch):
-    """A 2B-parameter Adam model: the replica (29.8 GiB) does not fit 24 GB, but with the
-    optimizer slots sharded over 4 it does (18.6 GiB)."""
+    """A 2B-parameter Adam model: the replica (8 GB of weights, 8 of gradients, 16 of slots
+    and 8 of the all-reduce's pack) does not fit 32 GB, but with the optimizer slots sharded
+    over 4 it does (28 GB)."""
     stats = planning.ModelStats.from_param_count(2 * 10**9)
     monkeypatch.setattr(planner, "variant_available", lambda preset, variant: False)
     plan = tfdist.plan(stats=stats, global_batch_size=64, machine=_four_gpus())

@@ -41,12 +41,15 @@ _EXPORTS = {
     # stats
     "LayerStats": "tfdist.planning.stats",
     "ModelStats": "tfdist.planning.stats",
+    "SparseGradient": "tfdist.planning.stats",
     "model_stats": "tfdist.planning.stats",
+    "sparse_gradients": "tfdist.planning.stats",
     # memory
     "MemoryEstimate": "tfdist.planning.memory",
     "OPTIMIZER_SLOTS": "tfdist.planning.memory",
     "OptimizerState": "tfdist.planning.memory",
     "ShardedStateBytes": "tfdist.planning.memory",
+    "exchange_bytes": "tfdist.planning.memory",
     "optimizer_state": "tfdist.planning.memory",
     "replica_memory": "tfdist.planning.memory",
     "sharded_state_bytes": "tfdist.planning.memory",
@@ -57,6 +60,7 @@ _EXPORTS = {
     "MIN_COMM_SHARE": "tfdist.planning.communication",
     "SHARDED_TRAFFIC": "tfdist.planning.communication",
     "STAGE3_NO_REMAT_TRAFFIC": "tfdist.planning.communication",
+    "bucket_collectives": "tfdist.planning.communication",
     "candidates": "tfdist.planning.communication",
     "central_reducer_bytes": "tfdist.planning.communication",
     "central_reducer_time": "tfdist.planning.communication",
@@ -74,6 +78,7 @@ _EXPORTS = {
     "relative_traffic": "tfdist.planning.communication",
     "ring_allreduce_bytes_per_rank": "tfdist.planning.communication",
     "ring_allreduce_time": "tfdist.planning.communication",
+    "sparse_exchange": "tfdist.planning.communication",
     # pipeline
     "BALANCE_BY": "tfdist.planning.pipeline",
     "BalanceBy": "tfdist.planning.pipeline",

@@ -7,6 +7,8 @@ per byte (1 / bandwidth):
   independent of N; T = 2(N-1)a + 2(N-1)/N * K * b;
 - central reducer (reduce to one device, one parameter server):
   2(N-1) * K bytes pass through it, T = 2(N-1)(a + K b);
+- IndexedSlices gradients (an Embedding's) are all-gathered, rows and ids,
+  not summed (`sparse_exchange`);
 - ZeRO stages and compression scale the all-reduce's bytes
   (`relative_traffic`, `compressed_gradient_bytes`);
 - ZeRO stage 3 with `shard_remat` (the default) gathers each weight twice and
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from tfdist import config as config_lib
 from tfdist.planning.hardware import Link
@@ -86,6 +88,37 @@ def parameter_server_time(gradient_bytes: float, *, num_workers: int, num_ps: in
     """alpha-beta time for one step of every worker through the busiest server."""
     volume = parameter_server_bytes(gradient_bytes, num_workers=num_workers, num_ps=num_ps)
     return 2 * num_workers * link.latency + volume * link.seconds_per_byte
+
+
+def sparse_exchange(gradients: Sequence[Any], *, per_replica_batch_size: int,
+                    num_replicas: int, link: Link) -> tuple[float, float]:
+    """(seconds, bytes each rank sends) of exchanging IndexedSlices gradients per step.
+
+    TensorFlow's collective all-reduce (`multi_worker_mirrored`, and
+    `mirrored` on CPUs or with cross_device_ops="ring") does not sum an
+    IndexedSlices: it all-gathers it (CollectiveReplicaLauncher's
+    all_reduce_indexed_slices): one all-gather of each replica's row count
+    (4 bytes), then one of its values and one of its indices (rows = the
+    `SparseGradient`'s rows per example x the per-replica batch). A ring
+    all-gather of b bytes per rank sends (N-1) b and takes (N-1)(a + b / bandwidth).
+    Gradient compression leaves them as they are (`tfdist.comm.sync`).
+
+    Args:
+      gradients: `tfdist.planning.SparseGradient`s (`ModelStats.sparse_gradients`).
+      per_replica_batch_size: examples each replica looks up per step.
+      num_replicas: N.
+      link: the alpha-beta link of the exchange.
+    """
+    check_positive("per_replica_batch_size", per_replica_batch_size, integer=True)
+    check_positive("num_replicas", num_replicas, integer=True)
+    n = num_replicas
+    seconds = sent = 0.0
+    for g in gradients:
+        rows = g.rows_per_example * per_replica_batch_size
+        for size in (4, rows * g.row_bytes, rows * g.index_bytes):
+            sent += (n - 1) * size
+            seconds += (n - 1) * (link.latency + size * link.seconds_per_byte)
+    return seconds, sent
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]], num_replicas: int, *,
@@ -212,6 +245,44 @@ def compressed_gradient_bytes(shapes: Sequence[Sequence[int]], *, compression: s
     return per_number * sum(powersgd.wire_numbers(s, rank) for s in shapes)
 
 
+def _buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `sizes`, in order, grouped as `tfdist.comm.sync` groups them.
+
+    A new bucket starts where adding the next item would pass `bucket_bytes`
+    (0: one bucket); an item larger than that gets a bucket of its own.
+    """
+    buckets: list[list[int]] = []
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if not buckets or (bucket_bytes and size + nbytes > bucket_bytes and buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def bucket_collectives(shapes: Sequence[Sequence[int]], *, bucket_bytes: int = 0) -> int:
+    """All-reduces of the dense gradients per step without PowerSGD (`CommSync.sum_dense`).
+
+    Without `bucket_bytes`: one. With it: each float32 gradient, last first, is
+    cut into ceil(bytes / bucket_bytes) pieces of near-equal element counts,
+    and the pieces are grouped into buckets of at most `bucket_bytes` (counted
+    in float32 bytes with fp16/bf16 too); each bucket is one collective.
+    """
+    check_positive("bucket_bytes", bucket_bytes, integer=True, allow_zero=True)
+    if not shapes:
+        return 0
+    if not bucket_bytes:
+        return 1
+    pieces = []
+    for shape in reversed(shapes):
+        n = math.prod(int(d) for d in shape)
+        count = max(1, -(-4 * n // bucket_bytes))
+        pieces += [4 * (n // count + (1 if k < n % count else 0)) for k in range(count)]
+    return len(_buckets(pieces, bucket_bytes))
+
+
 def powersgd_collectives(shapes: Sequence[Sequence[int]], rank: int, *,
                          bucket_bytes: int = 0) -> int:
     """All-reduces PowerSGD launches per step, as `tfdist.comm.sync.CommSync` runs it.
@@ -225,15 +296,8 @@ def powersgd_collectives(shapes: Sequence[Sequence[int]], rank: int, *,
 
     sizes = [4 * math.prod(int(d) for d in s) for s in reversed(shapes)]
     compressed = [powersgd.compresses(s, rank) for s in reversed(shapes)]
-    buckets: list[list[int]] = []
-    size = 0
-    for i, nbytes in enumerate(sizes):
-        if not buckets or (bucket_bytes and size + nbytes > bucket_bytes and buckets[-1]):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-    return sum(2 if any(compressed[i] for i in bucket) else 1 for bucket in buckets)
+    return sum(2 if any(compressed[i] for i in bucket) else 1
+               for bucket in _buckets(sizes, bucket_bytes))
 
 
 def _powersgd_ops(n: int, m: int, rank: int) -> list[tuple[float, float]]:
@@ -316,14 +380,16 @@ def compressed_allreduce_time(shapes: Sequence[Sequence[int]], num_replicas: int
     """alpha-beta time of one step's gradient exchange with `compression`.
 
     One ring all-reduce of the compressed bytes, paying the latency once per
-    collective: PowerSGD runs two per bucket that holds a compressed matrix (P
-    with the uncompressed gradients, then Q; `powersgd_collectives`), so pays
-    it at least twice. Its local compute is `powersgd_flops`, costed by
-    `candidates`.
+    collective: none/fp16/bf16 run one per bucket of `bucket_bytes`
+    (`bucket_collectives`; one without buckets); PowerSGD runs two per bucket
+    that holds a compressed matrix (P with the uncompressed gradients, then Q;
+    `powersgd_collectives`), so pays it at least twice. Its local compute is
+    `powersgd_flops`, costed by `candidates`.
     """
     total = compressed_gradient_bytes(shapes, compression=compression, rank=rank)
     rounds = powersgd_collectives(shapes, rank, bucket_bytes=bucket_bytes) \
-        if compression == "powersgd" else 1
+        if compression == "powersgd" else max(1, bucket_collectives(
+            shapes, bucket_bytes=bucket_bytes))
     if num_replicas < 2:
         return 0.0
     return (rounds - 1) * 2 * (num_replicas - 1) * link.latency + ring_allreduce_time(
@@ -386,8 +452,8 @@ def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: i
       gradient_bytes: float32 gradient bytes, when the shapes are not known
         (`ModelStats.gradient_bytes`): none, fp16 and bf16 are costed, not _powersgd().
       flops_per_second: the device's FLOP rate for PowerSGD's compute.
-      bucket_bytes: `bucket_bytes` of the exchange (PowerSGD runs two
-        collectives per bucket).
+      bucket_bytes: `bucket_bytes` of the exchange (one collective per bucket,
+        two for a PowerSGD bucket that holds a compressed matrix).
       bytes_per_second: the device's memory streaming rate (None: unknown).
     """
     if shapes is None:

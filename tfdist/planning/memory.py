@@ -5,6 +5,9 @@
 - `replica_memory`: parameters + gradients + optimizer slots + non-trainable
   state + activations (the layers' output sizes x the per-replica batch),
   divided by pipeline stages and state shards;
+- `exchange_bytes`: the gradient bytes a replica's exchange holds at its peak
+  beside the reduced gradients, the way TensorFlow's all-reduce and
+  tfdist.sharding's reduce-scatter allocate them;
 - `zero_bytes_per_param`: mixed-precision Adam, 16 bytes per parameter
   (2 fp16 weights + 2 fp16 grads + 12 fp32 master/m/v) -> 16/N at stage 3;
 - `sharded_state_bytes`: tfdist's own sharding (tfdist.sharding), variable by
@@ -128,22 +131,31 @@ def _keras_optimizer_state(optimizer: Any) -> OptimizerState:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
-    """Bytes one replica (or one pipeline stage) needs."""
+    """Bytes one replica (or one pipeline stage) needs.
+
+    Attributes:
+      parameters, gradients, optimizer, non_trainable, activations: the state
+        and the layers' outputs (`gradients`: the reduced gradients the update
+        receives).
+      exchange: gradient bytes the exchange holds at the step's peak beside
+        `gradients` (`exchange_bytes`; 0 where nothing is exchanged).
+    """
 
     parameters: int
     gradients: int
     optimizer: int
     non_trainable: int
     activations: int
+    exchange: int = 0
 
     @property
     def state(self) -> int:
-        """Everything but activations."""
+        """Everything but activations and the exchange's buffers."""
         return self.parameters + self.gradients + self.optimizer + self.non_trainable
 
     @property
     def total(self) -> int:
-        return self.state + self.activations
+        return self.state + self.activations + self.exchange
 
     def as_dict(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "total": self.total}
@@ -180,6 +192,38 @@ def replica_memory(stats: ModelStats, *, per_replica_batch_size: int,
         activations=math.ceil(stats.activation_bytes_per_example * per_replica_batch_size
                               / stages),
     )
+
+
+def exchange_bytes(gradient_bytes: int, *, num_replicas: int, stage: int = 0) -> int:
+    """Gradient bytes a replica's exchange holds at its peak, beside the reduced gradients.
+
+    With W = `gradient_bytes` (every trainable variable's gradient) and N =
+    `num_replicas`:
+
+    - stage 0 (and 1, which all-reduces the whole gradients too): TensorFlow's
+      collective all-reduce concatenates the local gradients into one pack and
+      splits the reduced pack back: the local gradients beside their pack, or
+      the reduced pack beside its pieces: W;
+    - stage 2 (`tfdist.sharding`): the local gradients are packed into one
+      tensor of N blocks (a copy) and reduce-scattered by an all-to-all whose
+      receive buffer holds N blocks of W/N before they are summed into the
+      replica's W/N shard: the local gradients beside their packed copy, or the
+      packed copy beside the receive buffer: 2W;
+    - stage 3: each layer's gradient is reduce-scattered in the backward pass
+      as it is produced (the replica keeps its shard): 0.
+
+    One replica exchanges nothing: 0.
+
+    Raises:
+      ValueError: a stage outside 0-3, negative bytes or non-positive replicas.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3. Received: stage={stage!r}")
+    check_positive("gradient_bytes", gradient_bytes, integer=True, allow_zero=True)
+    check_positive("num_replicas", num_replicas, integer=True)
+    if num_replicas == 1:
+        return 0
+    return {0: 1, 1: 1, 2: 2, 3: 0}[stage] * gradient_bytes
 
 
 def zero_bytes_per_param(num_devices: int, stage: Literal[0, 1, 2, 3] = 3) -> float:

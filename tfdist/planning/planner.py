@@ -153,6 +153,10 @@ def _sequence_parallel_candidates(stats, cluster, batch, opt, device) -> list:
              "gathers keys/values")]
 
 
+# The ZeRO stage each Variant.state runs (offload is stage 2 with the slots on the host).
+_STAGES = {"": 0, "optimizer": 1, "gradients": 2, "offload": 2, "parameters": 3}
+
+
 def _variant_memory(base: planning.MemoryEstimate, variant: Variant, replicas: int,
                     stats: planning.ModelStats, opt: planning.OptimizerState
                     ) -> planning.MemoryEstimate:
@@ -173,6 +177,11 @@ def _variant_memory(base: planning.MemoryEstimate, variant: Variant, replicas: i
             memory, parameters=math.ceil(base.parameters / n + gathered))
     if variant.state == "offload":
         memory = dataclasses.replace(memory, optimizer=opt.scalar_bytes)
+    if variant.state:
+        # The exchange's buffers: the sharding stage's reduce (stage 2's all-to-all holds the
+        # local gradients' packed copy and its receive buffer; stage 3 reduces layer by layer).
+        memory = dataclasses.replace(memory, exchange=planning.exchange_bytes(
+            stats.gradient_bytes, num_replicas=n, stage=_STAGES[variant.state]))
     return memory
 
 
@@ -498,6 +507,29 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
             return None
         return stats.train_flops_per_example * per_replica / device.peak_flops
 
+    def exchange(replicas: int, per: int, link: planning.Link, *, traffic: float = 1.0,
+                 stage: int = 0) -> tuple[float, float]:
+        """(bytes per rank, seconds) of one step's gradient exchange.
+
+        The dense gradients are ring all-reduced (x `traffic`: a sharding stage
+        or a compression); IndexedSlices ones are all-gathered as they are, except
+        where a sharding stage >= 2 densifies them into its reduce-scatter (their
+        variables' bytes then join the ring's).
+        """
+        dense = k if stage >= 2 else stats.dense_gradient_bytes
+        ring = planning.ring_allreduce_bytes_per_rank(dense, replicas)
+        ring_time = planning.ring_allreduce_time(dense, replicas, link)
+        if stage >= 2 or not stats.sparse_gradients:
+            return traffic * ring, traffic * ring_time
+        gathered_time, gathered = planning.sparse_exchange(
+            stats.sparse_gradients, per_replica_batch_size=per, num_replicas=replicas, link=link)
+        if stage == 1:  # the all-reduce of stage 0, then an all-gather of the updated shards
+            extra = traffic - 1.0
+            return (ring + gathered + extra * planning.ring_allreduce_bytes_per_rank(k, replicas),
+                    ring_time + gathered_time
+                    + extra * planning.ring_allreduce_time(k, replicas, link))
+        return traffic * ring + gathered, traffic * ring_time + gathered_time
+
     def data_parallel(preset: str, replicas: int, link: planning.Link, note: str,
                       workers: int = 1) -> Candidate:
         if batch % replicas:
@@ -506,12 +538,13 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
                 device_memory=device.memory, registered=preset in registered,
                 note=f"global batch {batch} does not divide over {replicas} replicas")
         per = batch // replicas
+        memory = dataclasses.replace(
+            planning.replica_memory(stats, per_replica_batch_size=per, optimizer=opt),
+            exchange=planning.exchange_bytes(k, num_replicas=replicas))
+        moved, seconds = exchange(replicas, per, link)
         return Candidate(
-            preset=preset, num_replicas=replicas, per_replica_batch_size=per,
-            memory=planning.replica_memory(stats, per_replica_batch_size=per, optimizer=opt),
-            device_memory=device.memory,
-            communication_bytes=planning.ring_allreduce_bytes_per_rank(k, replicas),
-            communication_time=planning.ring_allreduce_time(k, replicas, link),
+            preset=preset, num_replicas=replicas, per_replica_batch_size=per, memory=memory,
+            device_memory=device.memory, communication_bytes=moved, communication_time=seconds,
             compute_time=compute(per), registered=preset in registered, note=note,
             parallelism=Parallelism(replicas=replicas, workers=workers))
 
@@ -561,14 +594,14 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
         for variant in VARIANTS:
             registered_variant = variant_available(base.preset, variant)
             host = variant.host_traffic * k / base.num_replicas
-            traffic = variant.traffic * base.communication_bytes + host
+            moved, seconds = exchange(base.num_replicas, base.per_replica_batch_size, link,
+                                      traffic=variant.traffic, stage=_STAGES[variant.state])
             candidates.append(dataclasses.replace(
                 base, options=variant.options, registered=registered_variant,
                 parallelism=base.parallelism.replace(**dict(variant.options)),
                 memory=_variant_memory(base.memory, variant, base.num_replicas, stats, opt),
-                communication_bytes=traffic,
-                communication_time=variant.traffic * base.communication_time
-                + host * link.seconds_per_byte,
+                communication_bytes=moved + host,
+                communication_time=seconds + host * link.seconds_per_byte,
                 compute_time=None if base.compute_time is None
                 else base.compute_time * (3 + variant.recompute) / 3,
                 note=variant.summary + ("" if registered_variant else
@@ -614,10 +647,7 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
             f" per device of {format_bytes(best.device_memory)}), but with "
             f"{', '.join(f'{k}={v!r}' for k, v in best.options)} ({best.note}) each of its "
             f"{best.num_replicas} replicas needs {format_bytes(best.memory.total)} "
-            f"(weights {format_bytes(best.memory.parameters)}, gradients "
-            f"{format_bytes(best.memory.gradients)}, optimizer "
-            f"{format_bytes(best.memory.optimizer)}, activations "
-            f"{format_bytes(best.memory.activations)}) and moves "
+            f"({_parts(best.memory)}) and moves "
             f"{format_bytes(best.communication_bytes)} per step. Apply it with {how}.")
     elif sync:
         best = _choose(sync)
@@ -663,10 +693,7 @@ def _plan(stats: planning.ModelStats, cluster: planning.HardwareCluster, batch: 
             reasons.append(
                 f"No data-parallel replica fits one device: the smallest ({smallest.preset}, "
                 f"{smallest.per_replica_batch_size} examples per replica) needs "
-                f"{format_bytes(m.total)} (weights {format_bytes(m.parameters)}, "
-                f"gradients {format_bytes(m.gradients)}, optimizer "
-                f"{format_bytes(m.optimizer)}, activations "
-                f"{format_bytes(m.activations)}) but a device has "
+                f"{format_bytes(m.total)} ({_parts(m)}) but a device has "
                 f"{format_bytes(device.memory)}.")
         else:
             reasons.append(f"The global batch {batch} does not divide over the replicas of "
@@ -769,14 +796,20 @@ def _choose(fitting: list[Candidate]) -> Candidate:
     return max(fitting, key=lambda c: c.num_replicas)
 
 
+def _parts(m: planning.MemoryEstimate) -> str:
+    text = (f"weights {format_bytes(m.parameters)}, gradients {format_bytes(m.gradients)}, "
+            f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}")
+    if m.exchange:
+        text += f", the gradient exchange's buffers {format_bytes(m.exchange)}"
+    return text
+
+
 def _why(best: Candidate, cluster: planning.HardwareCluster, fitting: list[Candidate]) -> str:
     m = best.memory
     assert m is not None
     text = (f"{best.preset}: {best.num_replicas} replica(s) x {best.per_replica_batch_size} "
             f"examples; each needs {format_bytes(m.total)} of "
-            f"{format_bytes(best.device_memory)} (weights {format_bytes(m.parameters)}"
-            f", gradients {format_bytes(m.gradients)}, optimizer "
-            f"{format_bytes(m.optimizer)}, activations {format_bytes(m.activations)})")
+            f"{format_bytes(best.device_memory)} ({_parts(m)})")
     if best.num_replicas > 1:
         text += (f"; ring all-reduce sends {format_bytes(best.communication_bytes)} per "
                  f"rank per step, ~{format_seconds(best.communication_time)}")

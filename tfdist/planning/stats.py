@@ -28,6 +28,33 @@ class LayerStats:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseGradient:
+    """A trainable variable whose gradient is a `tf.IndexedSlices` (an `Embedding`'s lookup).
+
+    Attributes:
+      variable: the variable's path.
+      index: its position in the model's `trainable_variables`.
+      rows_per_example: rows of the gradient per example (one per looked-up id,
+        repeats included: the exchange sends them before duplicates are summed).
+      row_bytes: bytes of one row of values.
+      index_bytes: bytes of one index (4 for int32 ids, 8 for int64).
+      variable_bytes: bytes of the whole variable.
+    """
+
+    variable: str
+    index: int
+    rows_per_example: int
+    row_bytes: int
+    index_bytes: int
+    variable_bytes: int
+
+    def __post_init__(self):
+        for name in ("index", "rows_per_example", "row_bytes", "index_bytes",
+                     "variable_bytes"):
+            check_positive(name, getattr(self, name), integer=True, allow_zero=name == "index")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelStats:
     """What the cost model needs to know about a model.
 
@@ -40,6 +67,8 @@ class ModelStats:
       forward_flops_per_example: FLOPs of one forward pass per example (a
         training step is about 3x that).
       layers: per-layer detail (empty when built from a parameter count).
+      sparse_gradients: the variables whose gradients are IndexedSlices (empty
+        when built from a parameter count).
     """
 
     num_params: int
@@ -48,6 +77,7 @@ class ModelStats:
     activation_bytes_per_example: int = 0
     forward_flops_per_example: float = 0.0
     layers: tuple[LayerStats, ...] = ()
+    sparse_gradients: tuple[SparseGradient, ...] = ()
 
     def __post_init__(self):
         check_positive("num_params", self.num_params, integer=True)
@@ -78,6 +108,11 @@ class ModelStats:
     def gradient_bytes(self) -> int:
         """K: bytes all-reduced per step (one gradient per trainable variable)."""
         return self.trainable_bytes
+
+    @property
+    def dense_gradient_bytes(self) -> int:
+        """Bytes of the gradients that are dense tensors (K less the sparse variables')."""
+        return self.trainable_bytes - sum(g.variable_bytes for g in self.sparse_gradients)
 
     @property
     def train_flops_per_example(self) -> float:
@@ -182,4 +217,50 @@ def model_stats(model: Any, *, input_shapes: Any = None) -> ModelStats:
         activation_bytes_per_example=sum(l.activation_elements for l in layers) * dtype_bytes,
         forward_flops_per_example=sum(c.flops for c in costs),
         layers=tuple(layers),
+        sparse_gradients=_sparse_gradients(model, graph, input_shapes),
     )
+
+
+def sparse_gradients(model: Any, *, input_shapes: Any = None) -> tuple[SparseGradient, ...]:
+    """The trainable variables of a built Keras model whose gradients are IndexedSlices.
+
+    Traces (runs nothing) the gradient of the sum of the model's outputs at a
+    batch of one example: an `Embedding`'s table gets the looked-up rows and
+    their ids, whatever the loss. A table that is also used densely (tied
+    input and output embeddings) gets a dense gradient and is not listed.
+
+    Args:
+      model: a built Functional or Sequential keras.Model.
+      input_shapes: see `model_stats`.
+    """
+    from tfdist.split import graph as graph_lib
+
+    return _sparse_gradients(model, graph_lib.flatten(model), input_shapes)
+
+
+def _sparse_gradients(model: Any, graph: Any, input_shapes: Any) -> tuple[SparseGradient, ...]:
+    from tfdist._tf import import_tensorflow
+    from tfdist.planning import flops
+
+    tf = import_tensorflow()
+    variables = list(model.trainable_variables)
+    found: list[SparseGradient] = []
+
+    def fn(*flat):
+        values = dict(zip(graph.input_keys, flat))
+        with tf.GradientTape() as tape:
+            for node in graph.nodes:
+                node.call(values, False)
+            total = tf.add_n([tf.reduce_sum(tf.cast(values[k], tf.float32))
+                              for k in graph.output_keys])
+        for index, (g, v) in enumerate(zip(tape.gradient(total, variables), variables)):
+            if isinstance(g, tf.IndexedSlices) and g.values.shape[0] is not None:
+                found.append(SparseGradient(
+                    variable=v.path, index=index, rows_per_example=int(g.values.shape[0]),
+                    row_bytes=int(g.values.shape[1:].num_elements()) * g.values.dtype.size,
+                    index_bytes=g.indices.dtype.size,
+                    variable_bytes=_variable_bytes([v])[1]))
+        return total
+
+    tf.function(fn, autograph=False).get_concrete_function(*flops.input_specs(graph, input_shapes))
+    return tuple(found)
