@@ -191,7 +191,8 @@ def _worker(config: dict, out: str) -> None:
     import numpy as np
 
     import tfdist
-    from experiments.bench_comm import _pin, _tcp_bytes_sent, compute_and_exchange_seconds
+    from experiments.bench_comm import (_pin, _tcp_bytes_sent, compute_and_exchange_seconds,
+                                        step_timer)
 
     task_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     core = _pin(task_id)
@@ -212,18 +213,7 @@ def _worker(config: dict, out: str) -> None:
     stats = tfdist.model_stats(model, input_shapes=shapes)
     sparse = {g.index: g for g in stats.sparse_gradients}
 
-    class Clock(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.ends = []
-
-        def on_train_batch_end(self, batch_index, logs=None):
-            float(logs["loss"])  # the step's result is here
-            self.ends.append(time.perf_counter())
-
-    def time_steps(steps: int) -> float:
-        clock = Clock()
-        model.fit(ds, epochs=1, steps_per_epoch=steps + 1, verbose=0, callbacks=[clock])
-        return statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:]))
+    time_steps = step_timer(keras, model, ds)
 
     steps = config["steps"]
     model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace, warm up

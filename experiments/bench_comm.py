@@ -105,6 +105,27 @@ def _tcp_bytes_sent(pid: int) -> int:
     return total
 
 
+def step_timer(keras, model, ds):
+    """`time_steps(steps)`: the median time between the ends of `steps` consecutive steps
+    of `model.fit(ds)` (one more step runs first, so every interval is a whole step), each
+    step's end read where its loss is (bench_cluster's and bucket_timeline's clock)."""
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.ends = []
+
+        def on_train_batch_end(self, batch_index, logs=None):
+            float(logs["loss"])  # the step's result is here
+            self.ends.append(time.perf_counter())
+
+    def time_steps(steps: int) -> float:
+        clock = Clock()
+        model.fit(ds, epochs=1, steps_per_epoch=steps + 1, verbose=0, callbacks=[clock])
+        return statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:]))
+
+    return time_steps
+
+
 def compute_and_exchange_seconds(tf, strategy, model, ds, time_steps, *, steps: int,
                                  exchange_repeats: int,
                                  sparse_rows: dict[int, int] | None = None

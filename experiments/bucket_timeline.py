@@ -178,7 +178,7 @@ def _worker(config: dict, out: str) -> None:
 
     import tfdist
     from experiments import bench_cluster
-    from experiments.bench_comm import _pin, compute_and_exchange_seconds
+    from experiments.bench_comm import _pin, compute_and_exchange_seconds, step_timer
     from tfdist._tf import import_tensorflow
     from tfdist.compat import profiler_trace
 
@@ -218,20 +218,7 @@ def _worker(config: dict, out: str) -> None:
     model.fit(ds, steps_per_epoch=last + 1, epochs=1, verbose=0, callbacks=[Profile()])
     result = {"reniced_threads": reniced}
     if config.get("timed_steps"):  # the shaped run: bench_cluster's figures, same processes
-
-        class Clock(keras.callbacks.Callback):
-            def on_train_begin(self, logs=None):
-                self.ends = []
-
-            def on_train_batch_end(self, batch_index, logs=None):
-                float(logs["loss"])
-                self.ends.append(time.perf_counter())
-
-        def time_steps(steps: int) -> float:
-            clock = Clock()
-            model.fit(ds, epochs=1, steps_per_epoch=steps + 1, verbose=0, callbacks=[clock])
-            return statistics.median(b - a for a, b in zip(clock.ends, clock.ends[1:]))
-
+        time_steps = step_timer(keras, model, ds)
         n = config["timed_steps"]
         result["step_ms"] = time_steps(n) * 1e3
         compute, exchange = compute_and_exchange_seconds(
