@@ -59,9 +59,7 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 from absl import app, flags
@@ -290,35 +288,12 @@ def _calibrate(tf, strategy, repeats: int) -> list[list[float]]:
 
 def _run_workers(lab, config: dict, port: int) -> dict:
     """One worker per node, fresh processes; worker 0's result. The processes end here."""
-    from experiments.netlab import wait_for_workers
+    from experiments.netlab import run_workers
 
-    cluster = {"worker": [f"{lab.address(k)}:{port}" for k in range(lab.nodes)]}
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TF_CPP_MIN_LOG_LEVEL="2")
-    what = f"{lab.nodes} nodes, {config['model']}, {config['method']}"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        procs = []
-        try:
-            for k in range(lab.nodes):
-                procs.append(lab.popen(k, [
-                    sys.executable, "-m", "experiments.bench_cluster",
-                    f"--role={json.dumps(config)}", f"--worker_out={out}"], cwd=ROOT, text=True,
-                    env=dict(env, TF_CONFIG=json.dumps(
-                        {"cluster": cluster, "task": {"type": "worker", "index": k}})),
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        except BaseException:
-            for p in procs:
-                p.kill()
-                p.wait()
-            raise
-        outputs = wait_for_workers(procs, timeout=WORKER_TIMEOUT,
-                                   label=f"bench_cluster ({what})")
-        if not os.path.exists(out):
-            raise RuntimeError(f"bench_cluster: worker 0 ({what}) wrote no result:\n"
-                               + outputs[0][-2000:])
-        with open(out) as f:
-            return json.load(f)
+    return run_workers(lab, ["-m", "experiments.bench_cluster", f"--role={json.dumps(config)}"],
+                       nodes=lab.nodes, port=port, timeout=WORKER_TIMEOUT,
+                       label=f"bench_cluster ({lab.nodes} nodes, {config['model']}, "
+                             f"{config['method']})")
 
 
 def flop_rate(result: dict) -> float:

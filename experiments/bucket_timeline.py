@@ -43,7 +43,7 @@ import time
 
 from absl import app, flags
 
-from experiments.bench_cluster import RATE_SCALE, ROOT
+from experiments.bench_cluster import RATE_SCALE
 from experiments.workers import launch_workers
 
 FLAGS = flags.FLAGS
@@ -239,37 +239,12 @@ def _worker(config: dict, out: str) -> None:
 
 def _run_shaped(lab, config: dict, port: int) -> dict:
     """Worker 0's result from 2 workers on the lab's nodes (fresh processes, ended here)."""
-    import subprocess
-    import tempfile
+    from experiments.netlab import run_workers
 
-    from experiments.netlab import wait_for_workers
-
-    cluster = {"worker": [f"{lab.address(k)}:{port}" for k in range(2)]}
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TF_CPP_MIN_LOG_LEVEL="2")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        procs = []
-        try:
-            for k in range(2):
-                procs.append(lab.popen(k, [
-                    sys.executable, "-m", "experiments.bucket_timeline", "--role=worker",
-                    f"--worker_out={out}", f"--config={json.dumps(config)}"], cwd=ROOT,
-                    text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    env=dict(env, TF_CONFIG=json.dumps(
-                        {"cluster": cluster, "task": {"type": "worker", "index": k}}))))
-        except BaseException:
-            for p in procs:
-                p.kill()
-                p.wait()
-            raise
-        outputs = wait_for_workers(procs, timeout=WORKER_TIMEOUT,
-                                   label=f"bucket timeline inter_op={config['inter_op']}")
-        if not os.path.exists(out):
-            raise RuntimeError("bucket timeline: worker 0 wrote no result:\n"
-                               + outputs[0][-2000:])
-        with open(out) as f:
-            return json.load(f)
+    return run_workers(lab, ["-m", "experiments.bucket_timeline", "--role=worker",
+                             f"--config={json.dumps(config)}"],
+                       nodes=2, port=port, timeout=WORKER_TIMEOUT,
+                       label=f"bucket timeline inter_op={config['inter_op']}")
 
 
 def run(bucket_bytes: int, inter_op: list[int], steps: int, *, rate: float | None = None,

@@ -94,6 +94,44 @@ def wait_for_workers(procs: list[subprocess.Popen], *, timeout: float, label: st
     return outputs
 
 
+def run_workers(lab, args: list[str], *, nodes: int, port: int, timeout: float,
+                label: str) -> dict:
+    """`python <args> --worker_out=FILE` on each of the first `nodes` nodes, as the workers
+    of one TF_CONFIG cluster (port `port`), in fresh processes that end here; worker 0's
+    JSON result from FILE.
+
+    Raises:
+      RuntimeError: as `wait_for_workers`, or "<label>: worker 0 wrote no result".
+    """
+    import json
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cluster = {"worker": [f"{lab.address(k)}:{port}" for k in range(nodes)]}
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        procs = []
+        try:
+            for k in range(nodes):
+                procs.append(lab.popen(
+                    k, [sys.executable, *args, f"--worker_out={out}"], cwd=root, text=True,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    env=dict(env, TF_CONFIG=json.dumps(
+                        {"cluster": cluster, "task": {"type": "worker", "index": k}}))))
+        except BaseException:
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise
+        outputs = wait_for_workers(procs, timeout=timeout, label=label)
+        if not os.path.exists(out):
+            raise RuntimeError(f"{label}: worker 0 wrote no result:\n" + outputs[0][-2000:])
+        with open(out) as f:
+            return json.load(f)
+
+
 def _kbit(rate_bits: float) -> str:
     return f"{max(8, int(rate_bits / 1000))}kbit"
 
