@@ -2,7 +2,7 @@
 
     python -m experiments.bench_cluster [--nodes=2,4] [--rates=1,10] [--models=mlp,conv,bert]
         [--methods=none,buckets,fp16,bf16,powersgd] [--steps=8] [--rounds=1]
-        [--out=results/bench_cluster.json]
+        [--digits_epochs=0] [--out=results/bench_cluster.json]
 
 Every "node" is a network namespace joined to a switch namespace by a veth
 pair whose two directions are shaped with a `tc` HTB class (experiments/netlab.py;
@@ -48,6 +48,14 @@ processes measures:
   `buckets` is predicted as `none` with the latency paid once per bucket
   (`tfdist.planning.bucket_collectives`).
 
+With `--digits_epochs=E`, every `mlp` configuration's first round also trains
+the MLP's layers on the scikit-learn digits (64 pixels -> 1024-1024-512-10,
+the 1,438 training images, global batch 64 per worker, Adam 1e-3 decayed to 0
+by a cosine over the E epochs, seed 0) with the same method on the same link,
+and reports the held-out accuracy on the other 359 images and the training's
+wall time. The target row compares each method's accuracy with `none`'s:
+equal within +-0.5 points (E=12 is enough for ~0.98 here).
+
 Needs root, `ip`, `tc` and `nsenter`; without them it prints why and exits 1.
 The namespaces and worker processes are removed when the program ends, on
 error too.
@@ -92,6 +100,8 @@ POWERSGD_SPEEDUP_TARGET = 2.0
 HIDDEN_TARGET = 0.3
 PREDICTION_TOLERANCE = 0.3
 RECOMMENDATION_TOLERANCE = 0.10
+ACCURACY_TOLERANCE = 0.005  # final digits accuracy of a method vs none's, +-0.5 points
+DIGITS_LEARNING_RATE = 1e-3
 
 
 def _define_flags() -> None:
@@ -104,6 +114,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("rounds", 1, "Interleaved rounds per configuration (the median "
                          "round is kept).")
     flags.DEFINE_integer("bucket_bytes", BUCKET_BYTES, "bucket_bytes of the `buckets` method.")
+    flags.DEFINE_integer("digits_epochs", 0, "Also train the MLP's layers on digits for this "
+                         "many epochs with each method (mlp only; first round) and report the "
+                         "held-out accuracy. 0: not measured.")
     flags.DEFINE_string("out", "results/bench_cluster.json", "Where to write the rows (JSON).")
     flags.DEFINE_string("role", None, "Internal: run as a worker with this JSON config.")
     flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
@@ -113,7 +126,8 @@ FLAGS = flags.FLAGS
 
 
 def check_arguments(nodes, rates, models, methods, steps: int,
-                    bucket_bytes: int = BUCKET_BYTES, rounds: int = 1) -> None:
+                    bucket_bytes: int = BUCKET_BYTES, rounds: int = 1,
+                    digits_epochs: int = 0) -> None:
     """ValueError naming what was received when the arguments cannot run."""
     if not nodes or any(n < 2 for n in nodes):
         raise ValueError(f"--nodes must be node counts >= 2. Received: {list(nodes)}")
@@ -130,6 +144,13 @@ def check_arguments(nodes, rates, models, methods, steps: int,
         raise ValueError(f"--bucket_bytes must be >= 1. Received: bucket_bytes={bucket_bytes}")
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1. Received: rounds={rounds}")
+    if digits_epochs < 0:
+        raise ValueError(f"--digits_epochs must be >= 0 (0: accuracy not measured). "
+                         f"Received: digits_epochs={digits_epochs}")
+    if digits_epochs and "mlp" not in models:
+        raise ValueError(f"--digits_epochs trains the mlp model's layers on digits, so --models "
+                         f"must include mlp. Received: --models={','.join(models)} "
+                         f"--digits_epochs={digits_epochs}")
 
 
 # --- worker (inside a node's namespace) ----------------------------------------------------
@@ -185,6 +206,48 @@ def _bert_and_data(workers: int, keras, np, tf):
     return model, ds, batch, {"optimizer": keras.optimizers.Adam(5e-5)}
 
 
+def _digits_accuracy(epochs: int, workers: int, keras, np, tf, bytes_sent) -> dict:
+    """Held-out digits accuracy of the MLP's layers after `epochs` (inside the strategy scope).
+
+    The training images are shuffled with a fixed seed and cut into global batches of
+    PER_WORKER_BATCH per worker; the strategy shards them as it does any dataset.
+    `bytes_sent()` is this worker's TCP bytes sent so far (the wire per step of the fit).
+    """
+    from models.datasets import load_dataset
+
+    data = load_dataset("digits")
+    flat = [a.reshape(len(a), -1) for a in (data.x_train, data.x_test)]
+    batch = PER_WORKER_BATCH * workers
+    steps = -(-len(flat[0]) // batch) * epochs  # the decay's length
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(flat[0].shape[1:])] + [
+        keras.layers.Dense(w, activation="relu") for w in (1024, 1024, 512)] + [
+        keras.layers.Dense(data.num_classes)])
+    model.compile(optimizer=keras.optimizers.Adam(
+        keras.optimizers.schedules.CosineDecay(DIGITS_LEARNING_RATE, steps)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"])
+    train = tf.data.Dataset.from_tensor_slices((flat[0], data.y_train)).shuffle(
+        len(flat[0]), seed=0).batch(batch)
+    test = tf.data.Dataset.from_tensor_slices((flat[1], data.y_test)).batch(batch)
+    ran, epoch_ends = [], []
+    counter = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda i, logs: ran.append(time.perf_counter()),
+        on_epoch_end=lambda e, logs: epoch_ends.append(time.perf_counter()))
+    sent_before = bytes_sent()
+    start = time.perf_counter()
+    model.fit(train, epochs=epochs, verbose=0, callbacks=[counter])
+    seconds = time.perf_counter() - start
+    sent = bytes_sent() - sent_before
+    accuracy = model.evaluate(test, verbose=0, return_dict=True)["accuracy"]
+    return {"digits_accuracy": float(accuracy), "digits_seconds": seconds,
+            "digits_steps": len(ran), "digits_epochs": epochs, "digits_batch": batch,
+            "digits_test_size": len(flat[1]),
+            "digits_wire_bytes_per_step": sent / max(1, len(ran)),
+            "digits_epoch_seconds": [float(x) for x in np.diff([start] + epoch_ends)],
+            "digits_step_seconds": statistics.median(np.diff(ran)) if len(ran) > 1 else 0.0}
+
+
 def _worker(config: dict, out: str) -> None:
     import numpy as np
 
@@ -232,6 +295,10 @@ def _worker(config: dict, out: str) -> None:
         sparse_rows={i: g.rows_per_example * (batch // workers) for i, g in sparse.items()})
     if config.get("calibrate"):
         result["calibration"] = _calibrate(tf, strategy, config["calibrate"])
+    if config.get("digits_epochs"):
+        with strategy.scope():
+            result.update(_digits_accuracy(config["digits_epochs"], workers, keras, np, tf,
+                                           lambda: _tcp_bytes_sent(os.getpid())))
     if task_id == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -352,7 +419,7 @@ def config_name(nodes: int, rate: float, model: str, method: str) -> str:
 
 
 def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET_BYTES,
-        rounds: int = 1, log=print, on_lab=None) -> list[dict]:
+        rounds: int = 1, digits_epochs: int = 0, log=print, on_lab=None) -> list[dict]:
     """Rows per configuration and the targets (see the module docstring).
 
     With rounds > 1, every (model, method) of a lab and rate runs once per round, the
@@ -361,14 +428,18 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
     A configuration whose workers fail gets a "failed" row with their last output; the
     others are still measured.
 
+    With `digits_epochs`, each `mlp` configuration's first round also trains digits and
+    its row reports that accuracy (kept whichever round's step is the median).
+
     `on_lab(lab)` is called once each lab's namespaces exist (tests read their identities).
     """
     from experiments.netlab import NetLab
     from experiments.rows import row
     from tfdist import planning
 
-    check_arguments(nodes, rates, models, methods, steps, bucket_bytes, rounds)
+    check_arguments(nodes, rates, models, methods, steps, bucket_bytes, rounds, digits_epochs)
     measured: dict[tuple, list[dict]] = {}
+    accuracy: dict[tuple, dict] = {}
     failed: dict[tuple, str] = {}
     links: dict[tuple, dict] = {}
     loads = [os.getloadavg()[0]]
@@ -394,7 +465,9 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                             options["bucket_bytes"] = bucket_bytes
                         config = {"model": model, "method": method, "options": options,
                                   "steps": steps,
-                                  "calibrate": 0 if link else max(3, steps // 2)}
+                                  "calibrate": 0 if link else max(3, steps // 2),
+                                  "digits_epochs": digits_epochs
+                                  if model == "mlp" and r == 0 else 0}
                         try:
                             result = _run_workers(lab, config, port)
                         except RuntimeError as e:  # the other configurations still run
@@ -415,6 +488,18 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                                             for size, seconds in points) + ")")
                         result.update(_predict(result, method, n, link))
                         measured.setdefault((n, rate, model, method), []).append(result)
+                        if "digits_accuracy" in result:
+                            accuracy[(n, rate, model, method)] = {
+                                k: v for k, v in result.items() if k.startswith("digits_")}
+                            log(f"  {model} {method}: digits accuracy "
+                                f"{result['digits_accuracy']:.4f} after "
+                                f"{result['digits_epochs']} epochs "
+                                f"({result['digits_steps']} steps, "
+                                f"{result['digits_seconds']:.1f} s: epochs "
+                                + ", ".join(f"{x:.1f}" for x in result["digits_epoch_seconds"])
+                                + f" s, median step {result['digits_step_seconds'] * 1e3:.0f} "
+                                f"ms; wire "
+                                f"{result['digits_wire_bytes_per_step'] / 1e6:.3f} MB/step)")
                         loads.append(os.getloadavg()[0])
                         log(f"  round {r + 1}/{rounds} {model} {method}: step "
                             f"{result['step_seconds'] * 1e3:.1f} ms "
@@ -428,6 +513,7 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
     measured = {k: sorted(v, key=lambda x: x["step_seconds"])[(len(v) - 1) // 2]
                 for k, v in measured.items()}
     for k, r in measured.items():
+        r.update(accuracy.get(k, {}))
         r["round_steps"] = [x["step_seconds"] for x in rounds_of[k]]
         r["round_hidden"] = [(hidden_share(x), x["compute_seconds"], x["comm_seconds"])
                              for x in rounds_of[k]]
@@ -480,6 +566,17 @@ def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
                               if r.get("bytes_per_second") else "")
                            if method == "powersgd" and "flops_per_second" in r else "")
                         + f"); recommends {r['recommendation']}: {r['reason']}"))
+        if "digits_accuracy" in r:
+            rows.append(row(f"{name}: digits accuracy", r["digits_accuracy"], "fraction",
+                            f"held-out accuracy ({r['digits_test_size']} images) after "
+                            f"{r['digits_epochs']} epochs ({r['digits_steps']} steps of global "
+                            f"batch {r['digits_batch']}) of 64-1024-1024-512-10 on digits, Adam "
+                            f"{DIGITS_LEARNING_RATE:g} cosine-decayed to 0, seed 0, this method "
+                            f"and link; the fit took {r['digits_seconds']:.1f} s (epochs "
+                            + ", ".join(f"{x:.1f}" for x in r["digits_epoch_seconds"])
+                            + f" s; median step {r['digits_step_seconds'] * 1e3:.0f} ms), "
+                            f"worker 0 sending {r['digits_wire_bytes_per_step'] / 1e6:.3f} MB "
+                            f"per step"))
     rows += _target_rows(measured, row, bucket_bytes)
     return rows
 
@@ -504,6 +601,19 @@ def _target_rows(measured: dict, row, bucket_bytes: int = BUCKET_BYTES) -> list[
                             f"{r['compute_seconds'] * 1e3:.1f}, exchange alone "
                             f"{r['comm_seconds'] * 1e3:.1f} ms; bucket_bytes {bucket_bytes}",
                             target=HIDDEN_TARGET))
+    for (n, rate, model, method), r in measured.items():
+        plain = measured.get((n, rate, model, "none"))
+        if method == "none" or "digits_accuracy" not in r or "digits_accuracy" not in (
+                plain or {}):
+            continue
+        points = (r["digits_accuracy"] - plain["digits_accuracy"]) * 100
+        met = abs(points) <= ACCURACY_TOLERANCE * 100 + 1e-9
+        rows.append(row(f"cluster target: {method} digits accuracy - none's, {model}, {n} nodes, "
+                        f"{rate:g} Gbit/s-eq", points, "points",
+                        f"none {plain['digits_accuracy']:.4f}, {method} "
+                        f"{r['digits_accuracy']:.4f} after {r['digits_epochs']} epochs; equal "
+                        f"within +-{ACCURACY_TOLERANCE * 100:g} points: "
+                        + ("met" if met else "missed")))
     if measured:
         errors = {k: r["predicted_step"] / r["step_seconds"] - 1 for k, r in measured.items()}
         within = sum(abs(e) <= PREDICTION_TOLERANCE for e in errors.values())
@@ -541,13 +651,14 @@ def main(argv):
     nodes = [int(n) for n in FLAGS.nodes]
     rates = [float(r) for r in FLAGS.rates]
     check_arguments(nodes, rates, FLAGS.models, FLAGS.methods, FLAGS.steps, FLAGS.bucket_bytes,
-                    FLAGS.rounds)
+                    FLAGS.rounds, FLAGS.digits_epochs)
     problem = NetLab.available()
     if problem:
         print(f"bench_cluster: cannot build the simulated nodes here: {problem}", file=sys.stderr)
         return 1
     rows = run(nodes, rates, FLAGS.models, FLAGS.methods, steps=FLAGS.steps,
-               bucket_bytes=FLAGS.bucket_bytes, rounds=FLAGS.rounds)
+               bucket_bytes=FLAGS.bucket_bytes, rounds=FLAGS.rounds,
+               digits_epochs=FLAGS.digits_epochs)
     print_rows(rows)
     if FLAGS.out:
         write_rows(FLAGS.out, rows, command="python -m experiments.bench_cluster " + " ".join(

@@ -42,7 +42,10 @@ def test_bad_arguments_name_what_was_received():
             ({"methods": ["none", "gzip"]}, r"--methods must name one or more of none, "
                                             r"buckets.*Received: 'none,gzip'"),
             ({"steps": 1}, r"--steps must be >= 2. Received: steps=1"),
-            ({"bucket_bytes": 0}, r"--bucket_bytes must be >= 1. Received: bucket_bytes=0")):
+            ({"bucket_bytes": 0}, r"--bucket_bytes must be >= 1. Received: bucket_bytes=0"),
+            ({"digits_epochs": -1}, r"--digits_epochs must be >= 0.*Received: digits_epochs=-1"),
+            ({"models": ["conv"], "digits_epochs": 3},
+             r"--models must include mlp. Received: --models=conv --digits_epochs=3")):
         with pytest.raises(ValueError, match=message):
             bench_cluster.check_arguments(**{**ok, **change})
 
@@ -73,6 +76,20 @@ def test_targets_from_measurements():
     rows = {r["name"]: r for r in bench_cluster._target_rows(runs, row)}
     rec = rows["cluster target: recommendation fastest or within 10%, mlp, 2 nodes, 1 Gbit/s-eq"]
     assert rec["value"] == pytest.approx(4.0) and rec["note"].endswith("missed")
+    assert not any("digits accuracy" in name for name in rows)  # not measured: no row
+
+    # Digits accuracy against none's: powersgd 0.4 points below is met, buckets 0.6 above
+    # is missed; none itself gets no row.
+    accuracy = {"none": 0.98, "buckets": 0.986, "powersgd": 0.976}
+    for (*_, method), r in runs.items():
+        r.update(digits_accuracy=accuracy[method], digits_epochs=12)
+    rows = {r["name"]: r for r in bench_cluster._target_rows(runs, row)}
+    where = "mlp, 2 nodes, 1 Gbit/s-eq"
+    powersgd = rows[f"cluster target: powersgd digits accuracy - none's, {where}"]
+    assert powersgd["value"] == pytest.approx(-0.4) and powersgd["note"].endswith("met")
+    buckets = rows[f"cluster target: buckets digits accuracy - none's, {where}"]
+    assert buckets["value"] == pytest.approx(0.6) and buckets["note"].endswith("missed")
+    assert f"cluster target: none digits accuracy - none's, {where}" not in rows
 
 
 def test_kerashub_model_and_what_reaches_the_planner():
@@ -131,7 +148,8 @@ def test_smallest_configuration_runs_on_simulated_nodes_and_cleans_up():
     if refused:
         pytest.skip(f"simulated nodes: {refused}")
     labs = []
-    rows = bench_cluster.run([2], [1.0], ["mlp"], ["powersgd"], steps=2, log=lambda *a: None,
+    rows = bench_cluster.run([2], [1.0], ["mlp"], ["powersgd"], steps=2, digits_epochs=1,
+                             log=lambda *a: None,
                              on_lab=lambda lab: labs.append(lab.namespaces()))
     assert len(labs) == 1 and len(labs[0]) == 3  # two nodes and the switch
     assert not labs[0] & live_namespaces()
@@ -150,6 +168,10 @@ def test_smallest_configuration_runs_on_simulated_nodes_and_cleans_up():
     assert 0.08 < wire["value"] < 0.5, wire
     assert "62.5 Mbit/s each way" in by_name[f"{name}: step"]["note"]
     assert "recommendation fastest or within 10%, mlp, 2 nodes, 1 Gbit/s-eq" in " ".join(by_name)
+    # One epoch of digits (12 steps of 128) on the shaped link: well above chance (0.1).
+    accuracy = by_name[f"{name}: digits accuracy"]
+    assert 0.5 < accuracy["value"] <= 1, accuracy
+    assert "359 images" in accuracy["note"] and "12 steps of global batch 128" in accuracy["note"]
 
 
 def test_a_failed_configuration_gets_its_row_and_the_others_still_run(monkeypatch):
