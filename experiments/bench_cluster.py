@@ -156,6 +156,13 @@ def check_arguments(nodes, rates, models, methods, steps: int,
 # --- worker (inside a node's namespace) ----------------------------------------------------
 
 
+def _mlp(keras, input_shape, classes: int):
+    """The `mlp` model's layers: Dense 1024-1024-512 (relu), then `classes` logits."""
+    return keras.Sequential([keras.Input(input_shape)] + [
+        keras.layers.Dense(w, activation="relu") for w in (1024, 1024, 512)] + [
+        keras.layers.Dense(classes)])
+
+
 def _model_and_data(name: str, workers: int, keras, np, tf):
     """(model, dataset of global batches, global batch, compile kwargs)."""
     rng = np.random.default_rng(0)
@@ -164,9 +171,7 @@ def _model_and_data(name: str, workers: int, keras, np, tf):
         return _bert_and_data(workers, keras, np, tf)
     if name == "mlp":  # 784-1024-1024-512-10: 2.4 M parameters, 9.5 MB of gradients
         shape = (784,)
-        model = keras.Sequential([keras.Input(shape)] + [
-            keras.layers.Dense(w, activation="relu") for w in (1024, 1024, 512)] + [
-            keras.layers.Dense(10)])
+        model = _mlp(keras, shape, 10)
         optimizer = keras.optimizers.Adam(1e-4)
     else:  # conv: 4 x Conv2D(32) on 32x32x16, 0.13 MB of gradients
         shape = (32, 32, 16)
@@ -220,9 +225,7 @@ def _digits_accuracy(epochs: int, workers: int, keras, np, tf, bytes_sent) -> di
     batch = PER_WORKER_BATCH * workers
     steps = -(-len(flat[0]) // batch) * epochs  # the decay's length
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input(flat[0].shape[1:])] + [
-        keras.layers.Dense(w, activation="relu") for w in (1024, 1024, 512)] + [
-        keras.layers.Dense(data.num_classes)])
+    model = _mlp(keras, flat[0].shape[1:], data.num_classes)
     model.compile(optimizer=keras.optimizers.Adam(
         keras.optimizers.schedules.CosineDecay(DIGITS_LEARNING_RATE, steps)),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
