@@ -116,3 +116,65 @@ def test_multi_worker_preset_builds_one_iterator_per_epoch(monkeypatch):
     assert np.abs(fixed - one_device).max() < 1e-6
     assert np.abs(fixed - unfixed).max() < 1e-6
     assert np.abs(stock - one_device).max() < 1e-6
+
+
+def _release_threads(strategy) -> list[str]:
+    """The threads each DistributedIterator of a fit over a finite tf.data dataset died on.
+
+    A daemon thread's name is given a "(daemon)" suffix: a daemon still inside the C++
+    destructor when the interpreter exits aborts the process (seen in CI), so the release
+    thread must not be one.
+
+    Keras drops the previous epoch's iterator as the next epoch starts; its tf.data
+    destructor can wait seconds for the autotuning thread (docs/performance.md), so the
+    fix lets go of it on a thread of its own.
+    """
+    import threading
+    import time
+    import weakref
+
+    import keras
+    import tensorflow as tf
+    from tensorflow.python.distribute import input_lib
+
+    died: list[str] = []
+    original = input_lib.DistributedDataset.__iter__
+
+    def tracked(self):
+        iterator = original(self)
+        def record():
+            thread = threading.current_thread()
+            died.append(thread.name + (" (daemon)" if thread.daemon else ""))
+
+        weakref.finalize(iterator, record)
+        return iterator
+
+    x, y = _data()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(input_lib.DistributedDataset, "__iter__", tracked)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=EPOCHS,
+                  verbose=0)
+    deadline = time.monotonic() + 30
+    while any(t.name == "tfdist-release-data-iterator" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the release threads did not finish"
+        time.sleep(0.05)
+    return died
+
+
+def test_each_epochs_iterator_is_let_go_of_off_the_main_thread():
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    fixed = _release_threads(strategy)
+    # Every epoch's but the last one's iterator died on the release thread, not in fit's
+    # loop (so did the one Keras reads a first batch from to build the model).
+    assert fixed.count("tfdist-release-data-iterator") >= EPOCHS - 1, fixed
+    _patch.uninstall(keras_epoch_iterator.NAMES)  # negative control: Keras's own loop
+    try:
+        unfixed = _release_threads(strategy)
+    finally:
+        keras_epoch_iterator.install()
+    assert "tfdist-release-data-iterator" not in unfixed, unfixed
+    assert unfixed.count("MainThread") >= EPOCHS - 1, unfixed

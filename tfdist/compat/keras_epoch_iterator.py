@@ -30,12 +30,33 @@ epoch (measured: 0.064 on the weights after 3 epochs).
 
 Upstream: none found (keras-team/keras `epoch_iterator.py` makes the
 end-of-epoch iterator whatever `steps_per_epoch` is).
+
+The same wrapper also lets go of each epoch's used iterator off the main
+thread, for every input over a strategy tfdist made without
+`steps_per_epoch`. Keras's `fit` drops the previous epoch's iterator when
+its loop variable takes the next one, and the C++ destructor of a tf.data
+iterator waits for the iterator's autotuning thread
+(`RootDataset::Iterator::~Iterator` -> `model::Model::OptimizeLoop`), which
+can sleep for its whole optimisation period (doubled after each
+optimisation, up to 60 s) instead of waking on cancellation: measured at up
+to 6.5 s per epoch boundary under multi_worker_mirrored, the other workers
+waiting in the next all-reduce (docs/performance.md, "An epoch's first step
+can stall for seconds"). The wrapper keeps a reference to each epoch's
+iterator and, once the next epoch's first step has run, hands it to a thread
+that drops it, so the wait happens there (the destructor runs without the
+GIL). The thread is not a daemon: the interpreter waits for it at exit, as
+the main thread would have waited for the destructor itself. A daemon thread
+still inside the destructor when the interpreter finalises is killed as it
+takes the GIL back, and the C++ unwinding aborts the process ("FATAL:
+exception not rethrown"; seen in CI). The data, the steps and the weights are
+unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Any
 
 from tfdist.compat import _owner, _patch
@@ -44,6 +65,7 @@ from tfdist.compat._patch import CompatError, Fix
 ISSUE = ("none found (Keras 3's EpochIterator makes an end-of-epoch data iterator that the "
          "next epoch discards when steps_per_epoch is None)")
 _SKIP = "_tfdist_skip_end_of_epoch_iterator"
+_HELD = "_tfdist_previous_epoch_iterator"
 
 
 def _epoch_iterator_class():
@@ -66,6 +88,21 @@ def _applies(self, *args, **kwargs) -> bool:
     return (self.steps_per_epoch is None
             and isinstance(getattr(self, "data_adapter", None), _array_adapter_class())
             and _owner.owns(getattr(self, "_distribute_strategy", None)))
+
+
+def _releases(self) -> bool:
+    # A new iterator every epoch (no steps_per_epoch), over a strategy tfdist made.
+    return (self.steps_per_epoch is None
+            and _owner.owns(getattr(self, "_distribute_strategy", None)))
+
+
+def _release_in_background(holder: list) -> None:
+    """Drops `holder`'s items from a thread of their own: their destructors run there.
+
+    Not a daemon, so that exit waits for it (see the module docstring).
+    """
+    threading.Thread(target=holder.clear, name="tfdist-release-data-iterator",
+                     daemon=False).start()
 
 
 # --- EpochIterator._enumerate_iterator: marks the end-of-epoch step ------------------------
@@ -94,16 +131,26 @@ def _make_enumerate(original):
     # iterate Keras's epoch iterator check that it is one.
     @functools.wraps(original)
     def _enumerate_iterator(self):
-        if not _applies(self):
+        skips, releases = _applies(self), _releases(self)
+        if not skips and not releases:
             yield from original(self)
             return
         steps = original(self)
+        previous: list = []
         try:
             for item in steps:
+                if releases and getattr(self, _HELD, None) is not item[2]:
+                    # This epoch's iterator: hold it; the one held before is the last
+                    # epoch's, which fit's loop variable lets go of on this yield.
+                    previous.append(getattr(self, _HELD, None))
+                    setattr(self, _HELD, item[2])
                 yield item
+                if any(x is not None for x in previous):
+                    _release_in_background(previous)
+                previous = []
                 # Resumed after the epoch's last step: Keras's loop now runs its
                 # end-of-epoch code, whose new iterator the next epoch discards.
-                if self._num_batches and self._steps_seen >= self._num_batches:
+                if skips and self._num_batches and self._steps_seen >= self._num_batches:
                     setattr(self, _SKIP, True)
         finally:
             setattr(self, _SKIP, False)
