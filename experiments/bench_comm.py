@@ -218,18 +218,7 @@ def _worker(config: dict, out: str) -> None:
         model.compile(keras.optimizers.Adam(1e-4),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
-    class Clock(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.ends = []
-
-        def on_train_batch_end(self, batch_index, logs=None):
-            self.ends.append(time.perf_counter())
-
-    def time_steps(steps: int) -> float:
-        clock = Clock()
-        model.fit(ds, epochs=1, steps_per_epoch=steps + 1, verbose=0, callbacks=[clock])
-        return (clock.ends[-1] - clock.ends[0]) / steps
-
+    time_steps = step_timer(keras, model, ds)
     steps = config["steps"]
     model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace, warm up
     sent_before = _tcp_bytes_sent(os.getpid())

@@ -275,23 +275,13 @@ def _loop_and_time(tf, keras, strategy, model, x, y) -> dict:
 
 def _tfdist_exchange(tf, keras, strategy, model, x, y) -> dict:
     """tfdist's step without communication and its gradient exchange alone, in ms."""
-    from experiments.bench_comm import compute_and_exchange_seconds
+    from experiments.bench_comm import compute_and_exchange_seconds, step_timer
 
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(GLOBAL_BATCH)
     steps = len(x) // GLOBAL_BATCH
-
-    class Clock(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            ends.append(time.perf_counter())
-
-    def time_steps(n: int) -> float:
-        ends.clear()
-        model.fit(dataset, epochs=1, steps_per_epoch=n + 1, verbose=0, callbacks=[Clock()])
-        return (ends[-1] - ends[0]) / n
-
-    ends: list[float] = []
     compute, exchange = compute_and_exchange_seconds(
-        tf, strategy, model, dataset, time_steps, steps=steps, exchange_repeats=EXCHANGE_REPEATS)
+        tf, strategy, model, dataset, step_timer(keras, model, dataset), steps=steps,
+        exchange_repeats=EXCHANGE_REPEATS)
     return {"compute_ms": 1e3 * compute, "exchange_ms": 1e3 * exchange}
 
 
