@@ -1,6 +1,6 @@
 """Where ZeRO stage 3's step time goes: `python -m experiments.sharding_breakdown`.
 
-    python -m experiments.sharding_breakdown [--rounds=5] [--steps=10]
+    python -m experiments.sharding_breakdown [--rounds=5] [--steps=10] [--width=1024]
 
 bench_sharding's model and setup (MLP 4 x Dense(1024) + Dense(16), Adam,
 global batch 256, `mirrored` on logical CPUs /cpu:1 and /cpu:2, intra-op 1 and
@@ -41,10 +41,21 @@ WIDTH, LAYERS, BATCH = 1024, 4, 256
 _FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
 flags.DEFINE_integer("steps", 10, "Timed calls per configuration per round.")
+flags.DEFINE_integer("width", WIDTH, "The Dense layers' width (the report's model: 1024).")
 flags.DEFINE_string("worker", None, "Internal: run one variant.")
 
 
-def _worker(variant: str) -> None:
+def check_arguments(rounds: int, steps: int, width: int) -> None:
+    """Raises ValueError naming the flag, what it received and what it takes."""
+    for name, value in (("rounds", rounds), ("steps", steps), ("width", width)):
+        if value < 1:
+            raise ValueError(f"--{name} must be at least 1. Received: {value}")
+    if width % 2:
+        raise ValueError(f"--width must be even (each kernel is gathered in 2 halves). "
+                         f"Received: {width}")
+
+
+def _worker(variant: str, width: int = WIDTH) -> None:
     import tfdist
 
     tfdist.configure_logical_devices(3)
@@ -67,15 +78,15 @@ def _worker(variant: str) -> None:
         dense = RematDense
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        inputs = keras.Input((WIDTH,))
+        inputs = keras.Input((width,))
         x = inputs
         for _ in range(LAYERS):
-            x = dense(WIDTH, activation="relu")(x)
+            x = dense(width, activation="relu")(x)
         model = keras.Model(inputs, keras.layers.Dense(16)(x))
         model.compile(keras.optimizers.Adam(1e-4), "mse")
     rng = np.random.default_rng(0)
     data = tf.data.Dataset.from_tensors(
-        (rng.standard_normal((BATCH, WIDTH)).astype("float32"),
+        (rng.standard_normal((BATCH, width)).astype("float32"),
          rng.standard_normal((BATCH, 16)).astype("float32"))).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(data))
     model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)  # trace, warm up
@@ -86,7 +97,7 @@ def _worker(variant: str) -> None:
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     timed = {"step": lambda: float(step(iterator)["loss"])}
     if variant == "none":
-        kernel = WIDTH * WIDTH
+        kernel = width * width
         params = sum(int(v.shape.num_elements()) for v in model.trainable_variables)
 
         def gathers(count, block):
@@ -133,13 +144,9 @@ def _read(proc, prefix: str) -> str:
             return line
 
 
-def main(argv) -> int:
-    del argv
-    if _FLAGS.worker:
-        _worker(_FLAGS.worker)
-        return 0
-    import numpy as np
-
+def measure(rounds: int, steps: int, width: int = WIDTH) -> dict:
+    """Runs every variant in its own process, interleaved -> {"times": {variant: {name:
+    [seconds, ...]}}, "peaks": {variant: {"peak", "resident"}}}; no process outlives it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPU_ALLOCATOR_USE_BFC="1",
                TF_CPP_MIN_LOG_LEVEL="2")
@@ -147,12 +154,13 @@ def main(argv) -> int:
     try:
         for variant in VARIANTS:  # one after another: tracing four models at once thrashes
             procs[variant] = subprocess.Popen(
-                [sys.executable, "-m", "experiments.sharding_breakdown", f"--worker={variant}"],
+                [sys.executable, "-m", "experiments.sharding_breakdown", f"--worker={variant}",
+                 f"--width={width}"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
             peaks[variant] = json.loads(_read(procs[variant], "ready ")[6:])
-        for _ in range(_FLAGS.rounds):
+        for _ in range(rounds):
             for variant, proc in procs.items():
-                proc.stdin.write(f"run {_FLAGS.steps}\n")
+                proc.stdin.write(f"run {steps}\n")
                 proc.stdin.flush()
                 for name, values in json.loads(_read(proc, "{")).items():
                     times[variant].setdefault(name, []).extend(values)
@@ -165,15 +173,40 @@ def main(argv) -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return {"times": times, "peaks": peaks}
+
+
+def report(result: dict) -> list[str]:
+    """The printed lines: each median (ms) with the step's ratio to `none`, and the peaks."""
+    import numpy as np
+
+    times, peaks = result["times"], result["peaks"]
     base = float(np.median(times["none"]["step"]))
+    lines = []
     for variant in VARIANTS:
         for name, values in times[variant].items():
             median = float(np.median(values))
             ratio = f"  {median / base:.3f} x none" if name == "step" else ""
-            print(f"{variant:20s} {name:22s} {median * 1e3:8.2f} ms{ratio}")
+            lines.append(f"{variant:20s} {name:22s} {median * 1e3:8.2f} ms{ratio}")
         peak, resident = peaks[variant]["peak"], peaks[variant]["resident"]
-        print(f"{variant:20s} {'allocator peak':22s} {peak / 2**20:8.1f} MB")
-        print(f"{variant:20s} {'peak over resident':22s} {(peak - resident) / 2**20:8.1f} MB")
+        lines.append(f"{variant:20s} {'allocator peak':22s} {peak / 2**20:8.1f} MB")
+        lines.append(f"{variant:20s} {'peak over resident':22s} "
+                     f"{(peak - resident) / 2**20:8.1f} MB")
+    return lines
+
+
+def main(argv) -> int:
+    del argv
+    if _FLAGS.worker:
+        _worker(_FLAGS.worker, _FLAGS.width)
+        return 0
+    try:
+        check_arguments(_FLAGS.rounds, _FLAGS.steps, _FLAGS.width)
+    except ValueError as error:
+        print(f"sharding_breakdown: {error}", file=sys.stderr)
+        return 2
+    for line in report(measure(_FLAGS.rounds, _FLAGS.steps, _FLAGS.width)):
+        print(line)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
