@@ -38,13 +38,18 @@ its loop variable takes the next one, and the C++ destructor of a tf.data
 iterator waits for the iterator's autotuning thread
 (`RootDataset::Iterator::~Iterator` -> `model::Model::OptimizeLoop`), which
 can sleep for its whole optimisation period (doubled after each
-optimisation, up to 60 s) instead of waking on cancellation: measured at up
+optimisation, up to 60 s) instead of waking on cancellation (a lost wakeup in
+TensorFlow: `CancellationManager::StartCancel` runs the callback that wakes
+the loop before `IsCancelled()` turns true, so the loop, if it runs first,
+waits again; every time in a process pinned to one core): measured at up
 to 6.5 s per epoch boundary under multi_worker_mirrored, the other workers
 waiting in the next all-reduce (docs/performance.md, "An epoch's first step
 can stall for seconds"). The wrapper keeps a reference to each epoch's
 iterator and, once the next epoch's first step has run, hands it to a thread
 that drops it, so the wait happens there (the destructor runs without the
-GIL). The thread is not a daemon: the interpreter waits for it at exit, as
+GIL). The last epoch's goes to such a thread when Keras lets go of the epoch
+iterator (`fit` returning), as a `fit` called once per epoch would otherwise
+pay the wait on the main thread every time. The thread is not a daemon: the interpreter waits for it at exit, as
 the main thread would have waited for the destructor itself. A daemon thread
 still inside the destructor when the interpreter finalises is killed as it
 takes the GIL back, and the C++ unwinding aborts the process ("FATAL:
@@ -56,7 +61,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
+import time
+import weakref
 from typing import Any
 
 from tfdist.compat import _owner, _patch
@@ -65,7 +73,7 @@ from tfdist.compat._patch import CompatError, Fix
 ISSUE = ("none found (Keras 3's EpochIterator makes an end-of-epoch data iterator that the "
          "next epoch discards when steps_per_epoch is None)")
 _SKIP = "_tfdist_skip_end_of_epoch_iterator"
-_HELD = "_tfdist_previous_epoch_iterator"
+_HELD = "_tfdist_held_data_iterators"
 
 
 def _epoch_iterator_class():
@@ -101,8 +109,38 @@ def _release_in_background(holder: list) -> None:
 
     Not a daemon, so that exit waits for it (see the module docstring).
     """
-    threading.Thread(target=holder.clear, name="tfdist-release-data-iterator",
+    threading.Thread(target=_let_go, args=(holder,), name="tfdist-release-data-iterator",
                      daemon=False).start()
+
+
+def _let_go(holder: list, bound: float = 1.0) -> None:
+    # Handed over while Keras may still be dropping its own references (the epoch
+    # iterator's `_current_iterator`, `fit`'s loop variable): wait, briefly, until the
+    # holder's is the last one, so that the destructor runs here and not on the main thread.
+    deadline = time.monotonic() + bound
+    while (any(sys.getrefcount(x) > _OURS for x in holder)
+           and time.monotonic() < deadline):
+        time.sleep(0.005)
+    holder.clear()
+
+
+# References to an item of `holder` inside `_let_go`'s test: the list, the generator's loop
+# variable and getrefcount's argument.
+_OURS = 3
+
+
+def _held(self) -> list:
+    """The data iterators this epoch iterator holds (the current epoch's), made on first use.
+
+    When Keras lets go of the epoch iterator (`fit`, `evaluate` returning), the last epoch's
+    data iterator goes to the release thread too.
+    """
+    holder = self.__dict__.get(_HELD)
+    if holder is None:
+        holder = []
+        setattr(self, _HELD, holder)
+        weakref.finalize(self, _release_in_background, holder).atexit = False
+    return holder
 
 
 # --- EpochIterator._enumerate_iterator: marks the end-of-epoch step ------------------------
@@ -139,15 +177,16 @@ def _make_enumerate(original):
         previous: list = []
         try:
             for item in steps:
-                if releases and getattr(self, _HELD, None) is not item[2]:
-                    # This epoch's iterator: hold it; the one held before is the last
-                    # epoch's, which fit's loop variable lets go of on this yield.
-                    previous.append(getattr(self, _HELD, None))
-                    setattr(self, _HELD, item[2])
+                if releases:
+                    held = _held(self)
+                    if not held or held[-1] is not item[2]:
+                        # This epoch's iterator: hold it; the one held before is the last
+                        # epoch's, which fit's loop variable lets go of on this yield.
+                        previous, held[:] = held[:], [item[2]]
                 yield item
-                if any(x is not None for x in previous):
+                if previous:
                     _release_in_background(previous)
-                previous = []
+                    previous = []
                 # Resumed after the epoch's last step: Keras's loop now runs its
                 # end-of-epoch code, whose new iterator the next epoch discards.
                 if skips and self._num_batches and self._steps_seen >= self._num_batches:
