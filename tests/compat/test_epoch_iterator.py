@@ -180,6 +180,13 @@ def test_each_epochs_iterator_is_let_go_of_off_the_main_thread():
     # too (let go of when fit returns), dies on the release thread.
     unknown_length = _release_threads(strategy, known_length=False)
     assert len(unknown_length) >= EPOCHS and "MainThread" not in unknown_length, unknown_length
+    # Untouched: a strategy tfdist did not make, with the fix installed (one device: stock
+    # MirroredStrategies made one after another in a process collide on collective keys).
+    import tensorflow as tf
+
+    stock = tf.distribute.OneDeviceStrategy("/cpu:0")
+    stock_threads = _release_threads(stock) + _release_threads(stock, known_length=False)
+    assert "tfdist-release-data-iterator" not in stock_threads, stock_threads
     _patch.uninstall(keras_epoch_iterator.NAMES)  # negative control: Keras's own loop
     try:
         unfixed = _release_threads(strategy) + _release_threads(strategy, known_length=False)

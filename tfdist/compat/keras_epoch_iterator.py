@@ -49,8 +49,9 @@ iterator and, once the next epoch's first step has run, hands it to a thread
 that drops it, so the wait happens there (the destructor runs without the
 GIL). The last epoch's goes to such a thread when Keras lets go of the epoch
 iterator (`fit` returning), as a `fit` called once per epoch would otherwise
-pay the wait on the main thread every time. The thread is not a daemon: the interpreter waits for it at exit, as
-the main thread would have waited for the destructor itself. A daemon thread
+pay the wait on the main thread at every return. The thread is not a daemon:
+the interpreter waits for it at exit, as the main thread would have waited
+for the destructor itself. A daemon thread
 still inside the destructor when the interpreter finalises is killed as it
 takes the GIL back, and the C++ unwinding aborts the process ("FATAL:
 exception not rethrown"; seen in CI). The data, the steps and the weights are
@@ -71,7 +72,9 @@ from tfdist.compat import _owner, _patch
 from tfdist.compat._patch import CompatError, Fix
 
 ISSUE = ("none found (Keras 3's EpochIterator makes an end-of-epoch data iterator that the "
-         "next epoch discards when steps_per_epoch is None)")
+         "next epoch discards when steps_per_epoch is None; TensorFlow's tf.data iterator "
+         "destructor can wait out its autotuning period, a lost wakeup between "
+         "CancellationManager::StartCancel and Model::OptimizeLoop)")
 _SKIP = "_tfdist_skip_end_of_epoch_iterator"
 _HELD = "_tfdist_held_data_iterators"
 
@@ -124,8 +127,8 @@ def _let_go(holder: list, bound: float = 1.0) -> None:
     holder.clear()
 
 
-# References to an item of `holder` inside `_let_go`'s test: the list, the generator's loop
-# variable and getrefcount's argument.
+# References to an item of `holder` inside `_let_go`'s test: the list, the generator
+# expression's variable and getrefcount's argument.
 _OURS = 3
 
 
@@ -177,7 +180,8 @@ def _make_enumerate(original):
         previous: list = []
         try:
             for item in steps:
-                if releases:
+                # Keras 3.10-3.15 yield (first step, last step, data iterator).
+                if releases and isinstance(item, tuple) and len(item) == 3:
                     held = _held(self)
                     if not held or held[-1] is not item[2]:
                         # This epoch's iterator: hold it; the one held before is the last
