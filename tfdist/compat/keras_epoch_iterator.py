@@ -180,13 +180,14 @@ def _make_enumerate(original):
         previous: list = []
         try:
             for item in steps:
-                # Keras 3.10-3.15 yield (first step, last step, data iterator).
-                if releases and isinstance(item, tuple) and len(item) == 3:
+                # Keras 3.10 yields (step, data iterator), 3.15 (first step, last step,
+                # data iterator).
+                if releases and isinstance(item, tuple) and len(item) in (2, 3):
                     held = _held(self)
-                    if not held or held[-1] is not item[2]:
+                    if not held or held[-1] is not item[-1]:
                         # This epoch's iterator: hold it; the one held before is the last
                         # epoch's, which fit's loop variable lets go of on this yield.
-                        previous, held[:] = held[:], [item[2]]
+                        previous, held[:] = held[:], [item[-1]]
                 yield item
                 if previous:
                     _release_in_background(previous)
