@@ -75,6 +75,9 @@ def _define_flags() -> None:
                       "and/or conv (the compute-bound model of the 2-worker rows).")
     flags.DEFINE_integer("rounds", None, "Interleaved rounds of the scaling curve; each "
                          "figure is the median (default 3, 1 with --quick).")
+    flags.DEFINE_list("variants", list(SCALING_VARIANTS),
+                      "Variants of the scaling curve: tfdist and any of "
+                      + ", ".join(SCALING_VARIANTS[1:]) + " (efficiency is against control).")
     flags.DEFINE_enum("input", "global", list(INPUTS),
                       "The scaling curve's input: " + "; ".join(
                           f"{k}: {v}" for k, v in INPUTS.items()) + ".")
@@ -578,6 +581,9 @@ def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
         raise ValueError(f"--rounds must be at least 1. Received: {rounds}")
     if input_mode not in INPUTS:
         raise ValueError(f"--input must be one of {', '.join(INPUTS)}. Received: {input_mode!r}")
+    if "tfdist" not in variants or set(variants) - set(SCALING_VARIANTS):
+        raise ValueError("--variants must name tfdist and any of "
+                         f"{', '.join(SCALING_VARIANTS[1:])}. Received: {','.join(variants)!r}")
     curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants,
                           input_mode=input_mode)
     return scaling_rows(curve, rounds=rounds), curve
@@ -712,9 +718,10 @@ def run(quick: bool) -> list[dict]:
 
 
 def _scaling_only(quick: bool, models: list[str], workers, rounds,
-                  input_mode: str = "global") -> tuple[list[dict], dict]:
+                  input_mode: str = "global",
+                  variants=SCALING_VARIANTS) -> tuple[list[dict], dict]:
     rows, curve = _scaling_part(quick, models=models, workers=workers, rounds=rounds,
-                                input_mode=input_mode)
+                                input_mode=input_mode, variants=tuple(variants))
     if "conv" in curve and 2 in curve["conv"]["tfdist"]:
         rows += two_vs_one_rows(curve)
     return rows, scaling_table(curve)
@@ -759,7 +766,7 @@ def main(argv):
     details = {}
     if FLAGS.scaling_only:
         rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds,
-                                    FLAGS.input)
+                                    FLAGS.input, FLAGS.variants)
         details["scaling"] = table
     else:
         rows = run(FLAGS.quick)
