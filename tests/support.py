@@ -70,6 +70,25 @@ def namespaces_refused() -> str | None:
     return None
 
 
+def running_roles(module: str, role: str = "") -> list[int]:
+    """Pids of live processes running `module` (e.g. "experiments.bench_cluster") with a
+    `--role=<role>...` argument: a benchmark's workers, for no-leftover checks."""
+    import glob
+
+    module_arg, role_arg = module.encode(), f"--role={role}".encode()
+    pids = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(path, "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # ended while we looked
+            continue
+        if module_arg in argv and any(a.startswith(role_arg) for a in argv) \
+                and alive(int(path.split("/")[2])):
+            pids.append(int(path.split("/")[2]))
+    return pids
+
+
 def live_namespaces() -> set[str]:
     """The network namespaces some process on this machine is in (for no-leftover checks)."""
     import glob

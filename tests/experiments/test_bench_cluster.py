@@ -5,7 +5,6 @@ kernel refuses a new namespace) the end-to-end test is skipped with the reason.
 """
 
 import dataclasses
-import glob
 import math
 import subprocess
 import sys
@@ -15,21 +14,12 @@ import pytest
 
 from experiments import bench_cluster
 from experiments.rows import row
-from tests.support import live_namespaces, namespaces_refused
+from tests.support import live_namespaces, namespaces_refused, running_roles
 
 
 def _bench_workers() -> list[int]:
     """Pids of bench_cluster worker processes still alive."""
-    pids = []
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(path, "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"experiments.bench_cluster" in argv and any(a.startswith(b"--role=") for a in argv):
-            pids.append(int(path.split("/")[2]))
-    return pids
+    return running_roles("experiments.bench_cluster")
 
 
 def test_bad_arguments_name_what_was_received():

@@ -4,12 +4,10 @@ Network namespaces need root, `ip`, `tc` and `nsenter`; without them the lab run
 with the reason.
 """
 
-import glob
-
 import pytest
 
 from experiments import bench_epoch_boundary as bench
-from tests.support import live_namespaces, namespaces_refused
+from tests.support import live_namespaces, namespaces_refused, running_roles
 
 
 def test_bad_arguments_name_what_was_received():
@@ -57,18 +55,4 @@ def test_both_variants_run_on_simulated_nodes_and_leave_nothing_behind():
         assert len(run["boundary_wait_seconds"]) == 1 and len(run["fit_call_seconds"]) == 2
         assert 0 < run["median_step_seconds"] < 30 and run["exit_wait_seconds"] < 5
     assert live_namespaces() <= before
-    assert not _bench_workers()
-
-
-def _bench_workers() -> list[str]:
-    """/proc paths of bench_epoch_boundary workers still alive."""
-    found = []
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(path, "rb") as f:
-                argv = f.read()
-        except OSError:  # ended while we looked
-            continue
-        if b"bench_epoch_boundary" in argv and b"--role=worker" in argv:
-            found.append(path)
-    return found
+    assert not running_roles("experiments.bench_epoch_boundary", "worker")
