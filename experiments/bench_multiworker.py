@@ -254,6 +254,7 @@ def _scaling_worker(config: dict, out: str) -> None:
         model = _scaling_model(keras, name)
         optimizer = keras.optimizers.SGD(0.01)
     seconds, cpu = [], []
+    step_durations = []  # per timed epoch, each step's seconds (fit only)
     profile_dir = os.path.join(os.path.dirname(out), f"profile-{variant}-{workers}")
     # One process profiles (worker 0; of the control's processes the first): with
     # several profiling at once TensorFlow 2.21's profiler can crash in stop().
@@ -301,11 +302,18 @@ def _scaling_worker(config: dict, out: str) -> None:
         class Timer(keras.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):
                 self.start, self.start_cpu = time.perf_counter(), time.process_time()
+                self.last, self.durations = self.start, []
+
+            def on_train_batch_end(self, batch, logs=None):
+                now = time.perf_counter()
+                self.durations.append(now - self.last)
+                self.last = now
 
             def on_epoch_end(self, epoch, logs=None):
                 if epoch:  # epoch 0 traces
                     seconds.append(time.perf_counter() - self.start)
                     cpu.append(time.process_time() - self.start_cpu)
+                    step_durations.append(self.durations)
 
         class Profile(keras.callbacks.Callback):
             # Whole steps only (the second to the last): no tracing, no epoch end.
@@ -338,6 +346,7 @@ def _scaling_worker(config: dict, out: str) -> None:
               "input_seconds_per_step": input_seconds, "input": config.get("input", "global"),
               "cpu_seconds_per_step": statistics.median(cpu) / steps,
               "threads": len(os.listdir("/proc/self/task")),
+              "step_durations": step_durations,
               "gradient_bytes": 4 * sum(int(np.prod(w.shape))
                                         for w in model.trainable_weights)}
     if profiles:
@@ -413,8 +422,33 @@ def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool,
                                                       for r in results)
     first["samples_per_sec"] = sum(SCALING_MODELS[model]["per_worker_batch"] / r["step_seconds"]
                                    for r in results)
+    bound = synchronous_bound([r.get("step_durations") or [] for r in results])
+    if bound is not None:
+        first["synchronous_bound_seconds"] = bound
     first["tasks"] = results
     return first
+
+
+def synchronous_bound(durations: list[list[list[float]]]) -> float | None:
+    """The step N processes would take if they had to step together, from each process's
+    own step times: durations[p][e][i] is process p's step i of timed epoch e.
+
+    A synchronous step ends when the slowest worker is done with it, so each step
+    index takes the maximum over the processes; an epoch is the sum of those
+    maxima, and the figure the median epoch over the steps per epoch (as
+    step_seconds is). For the control (N independent processes) it is the step a
+    synchronous job would take with free links: what the workers' variation
+    costs, apart from communication. None when any process timed no steps.
+    """
+    if not durations or any(not d for d in durations):
+        return None
+    epochs = min(len(d) for d in durations)
+    steps = min(len(epoch) for d in durations for epoch in d[:epochs])
+    if not steps:
+        return None
+    per_epoch = [sum(max(d[e][i] for d in durations) for i in range(steps))
+                 for e in range(epochs)]
+    return statistics.median(per_epoch) / steps
 
 
 def _run_control(config: str, num_workers: int) -> list[dict]:
@@ -514,11 +548,17 @@ def scaling_table(curve: dict) -> dict:
         for n in counts:
             med = {v: _median_result(variants[v][n]) for v in variants if variants[v][n]}
             control = med["control"]["step_seconds"] if "control" in med else one
+            bound = med["control"].get("synchronous_bound_seconds") if "control" in med else None
             table[model][n] = {
                 "step_ms": {v: r["step_seconds"] * 1e3 for v, r in med.items()},
                 "control_ms": control * 1e3,
                 "efficiency": {v: control / r["step_seconds"] for v, r in med.items()
                                if v != "control"},
+                # The control's steps taken in lockstep (the slowest process's each step):
+                # what synchronous training costs with free links.
+                "synchronous_bound_ms": None if bound is None else bound * 1e3,
+                "efficiency_vs_bound": {} if bound is None else {
+                    v: bound / r["step_seconds"] for v, r in med.items() if v != "control"},
                 "vs_1": {v: ones[v] / r["step_seconds"] for v, r in med.items()
                          if v != "control"},
                 "cpu_ms": {v: r["cpu_seconds_per_step"] * 1e3 for v, r in med.items()},
@@ -558,13 +598,21 @@ def scaling_rows(curve: dict, *, rounds: int) -> list[dict]:
                     f"{VARIANT_NOTES[variant]}: step {t['step_ms'][variant]:.2f} ms vs control "
                     f"{t['control_ms']:.2f} ms (median of {rounds} interleaved rounds: "
                     + ", ".join(f"{x:.2f}" for x in t["rounds"][variant])
-                    + f" ms); vs its own 1-worker step {t['vs_1'][variant]:.2f}; worker 0 "
+                    + " ms); " + _bound_note(t, variant)
+                    + f"vs its own 1-worker step {t['vs_1'][variant]:.2f}; worker 0 "
                     f"{count:.1f} collectives per step [{order_text}], "
                     f"{t['threads'][variant]} threads; input pipeline alone "
                     f"{t['input_ms'][variant]:.2f} ms per step per worker (control "
                     f"{t['input_ms'].get('control', t['input_ms'][variant]):.2f}; input "
                     f"{t['input']}: {INPUTS[t['input']]}); " + _baseline_note(model, n)))
     return rows
+
+
+def _bound_note(t: dict, variant: str) -> str:
+    if variant not in t.get("efficiency_vs_bound", {}):
+        return ""
+    return (f"{t['efficiency_vs_bound'][variant]:.2f} of the control's steps in lockstep "
+            f"({t['synchronous_bound_ms']:.2f} ms: each step the slowest process's); ")
 
 
 def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
@@ -733,8 +781,9 @@ def format_table(table: dict) -> str:
     for model, by_n in table.items():
         lines += [f"{model}:", "",
                   "| N | tfdist ms | tfdist_unpacked ms | stock ms | control ms | efficiency "
-                  "tfdist | tfdist_unpacked | stock | collectives/step tfdist, unpacked, "
-                  "stock | input alone ms, tfdist / control |", "|---" * 10 + "|"]
+                  "tfdist | tfdist_unpacked | stock | control in lockstep ms | efficiency "
+                  "vs lockstep tfdist, stock | collectives/step tfdist, unpacked, "
+                  "stock | input alone ms, tfdist / control |", "|---" * 12 + "|"]
         for n, t in by_n.items():
             def ms(v, t=t):
                 return f"{t['step_ms'][v]:.2f}" if v in t["step_ms"] else "-"
@@ -742,11 +791,16 @@ def format_table(table: dict) -> str:
             def eff(v, t=t):
                 return f"{t['efficiency'][v]:.2f}" if v in t["efficiency"] else "-"
 
+            bound = t.get("synchronous_bound_ms")
+            vs_bound = ", ".join(f"{t['efficiency_vs_bound'][v]:.2f}"
+                                 if v in t.get("efficiency_vs_bound", {}) else "-"
+                                 for v in ("tfdist", "stock"))
             counts = ", ".join(f"{t['collectives'][v][0]:.1f}" if v in t["collectives"]
                                else "-" for v in ("tfdist", "tfdist_unpacked", "stock"))
             lines.append(f"| {n} | {ms('tfdist')} | {ms('tfdist_unpacked')} | {ms('stock')} | "
                          f"{t['control_ms']:.2f} | {eff('tfdist')} | {eff('tfdist_unpacked')} "
-                         f"| {eff('stock')} | {counts} | {t['input_ms']['tfdist']:.2f} / "
+                         f"| {eff('stock')} | {'-' if bound is None else f'{bound:.2f}'} "
+                         f"| {vs_bound} | {counts} | {t['input_ms']['tfdist']:.2f} / "
                          f"{t['input_ms'].get('control', t['input_ms']['tfdist']):.2f} |")
         lines.append("")
         for n, t in by_n.items():

@@ -56,6 +56,28 @@ def test_scaling_curve_rows_at_1_and_2_workers(tmp_path):
     assert two["input"] == "global"
     assert "input pipeline alone" in rows["scaling_tiny_2workers_tfdist_efficiency"]["note"]
     assert "| 2 |" in log and "N=2 tfdist: worker 0, 2.0 collectives/step" in log
+    # The control's processes timed each step: their lockstep bound, and each variant
+    # against it.
+    assert math.isfinite(two["synchronous_bound_ms"]) and two["synchronous_bound_ms"] > 0
+    assert sorted(two["efficiency_vs_bound"]) == ["stock", "tfdist", "tfdist_unpacked"]
+    assert "control's steps in lockstep" in rows["scaling_tiny_2workers_tfdist_efficiency"]["note"]
+    assert table["1"]["synchronous_bound_ms"] is None  # no control at N = 1
+
+
+def test_synchronous_bound_takes_each_steps_slowest_process():
+    """Worked by hand: two processes that are slow on alternate steps average 2 s a step
+    each, but stepping together every step waits for the slow one (3 s)."""
+    a = [[1.0, 3.0, 1.0, 3.0], [1.0, 3.0, 1.0, 3.0], [1.0, 3.0, 1.0, 3.0]]
+    b = [[3.0, 1.0, 3.0, 1.0], [3.0, 1.0, 3.0, 1.0], [3.0, 1.0, 3.0, 1.0]]
+    assert bench.synchronous_bound([a, b]) == 3.0
+    assert bench.synchronous_bound([a]) == 2.0  # one process: its own step
+    # The median epoch, as step_seconds takes it: epochs of 8, 12 and 40 s -> 12 s / 4.
+    c = [[2.0] * 4, [3.0] * 4, [10.0] * 4]
+    assert bench.synchronous_bound([c, c]) == 3.0
+    # Unequal lengths: the steps and epochs every process has.
+    assert bench.synchronous_bound([[[1.0, 2.0, 9.0]], [[2.0, 1.0]]]) == 2.0
+    assert bench.synchronous_bound([a, []]) is None  # a process that timed nothing
+    assert bench.synchronous_bound([]) is None
 
 
 def test_scaling_inputs_give_each_worker_its_batches():
@@ -92,6 +114,12 @@ def test_bad_worker_counts_and_models_name_what_was_received():
     with pytest.raises(ValueError, match=r"--models must name one or more of conv, tiny. "
                                          r"Received: 'resnet'"):
         bench._scaling_part(True, models=("resnet",), workers=["1", "2"])
+    with pytest.raises(ValueError, match=r"--variants must name tfdist and any of "
+                                         r"tfdist_unpacked, stock, control. Received: "
+                                         r"'stock,control'"):
+        bench._scaling_part(True, models=("tiny",), workers=["1"], variants=("stock", "control"))
+    with pytest.raises(ValueError, match=r"--variants .*Received: 'tfdist,horovod'"):
+        bench._scaling_part(True, models=("tiny",), workers=["1"], variants=("tfdist", "horovod"))
     with pytest.raises(ValueError, match=r"--rounds must be at least 1. Received: 0"):
         bench._scaling_part(True, models=("tiny",), workers=["1"], rounds=0)
     result = subprocess.run(
