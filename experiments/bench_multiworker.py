@@ -497,8 +497,11 @@ def _run_control(config: str, num_workers: int) -> list[dict]:
 
 def scaling_curve(models: list[str], workers: list[int], *, rounds: int, quick: bool,
                   variants: tuple[str, ...] = SCALING_VARIANTS, input_mode: str = "global",
-                  log=print) -> dict:
+                  log=print, progress=None) -> dict:
     """{model: {variant: {N: [result per round]}}}, every configuration once per round.
+
+    `progress(curve)` runs after each configuration, with the curve so far (e.g. to
+    save it, so a run cut short keeps what it measured).
 
     At N = 1 only tfdist and stock run (the control is the 1-worker tfdist run; with
     one worker keras_log_reduction passes through). The order of the variants rotates
@@ -518,6 +521,8 @@ def scaling_curve(models: list[str], workers: list[int], *, rounds: int, quick: 
                         f"{result['input_seconds_per_step'] * 1e3:.2f} ms/step, "
                         f"{result.get('collectives_per_step', float('nan')):.1f} "
                         "collectives/step on worker 0", flush=True)
+                    if progress is not None:
+                        progress(curve)
     return curve
 
 
@@ -538,7 +543,10 @@ def scaling_table(curve: dict) -> dict:
     """
     table = {}
     for model, variants in curve.items():
-        counts = sorted(variants["tfdist"])
+        # The worker counts measured so far (all of them once the curve is done).
+        counts = sorted(n for n, results in variants["tfdist"].items() if results)
+        if not counts or counts[0] != 1:
+            continue
         one = statistics.median(r["step_seconds"] for r in variants["tfdist"][counts[0]])
         # Each variant's own 1-worker step (tfdist_unpacked is tfdist with one worker).
         ones = {v: statistics.median(r["step_seconds"] for r in variants[v][counts[0]])
@@ -585,7 +593,7 @@ def _baseline_note(model: str, n: int) -> str:
             "and pinning")
 
 
-def scaling_rows(curve: dict, *, rounds: int) -> list[dict]:
+def scaling_rows(curve: dict) -> list[dict]:
     """One row per model, worker count and variant: its efficiency against the control."""
     rows = []
     for model, by_n in scaling_table(curve).items():
@@ -596,7 +604,8 @@ def scaling_rows(curve: dict, *, rounds: int) -> list[dict]:
                 rows.append(_row(
                     f"scaling_{model}_{n}workers_{variant}_efficiency", eff, "x",
                     f"{VARIANT_NOTES[variant]}: step {t['step_ms'][variant]:.2f} ms vs control "
-                    f"{t['control_ms']:.2f} ms (median of {rounds} interleaved rounds: "
+                    f"{t['control_ms']:.2f} ms (median of {len(t['rounds'][variant])} "
+                    "interleaved rounds: "
                     + ", ".join(f"{x:.2f}" for x in t["rounds"][variant])
                     + " ms); " + _bound_note(t, variant)
                     + f"vs its own 1-worker step {t['vs_1'][variant]:.2f}; worker 0 "
@@ -617,7 +626,7 @@ def _bound_note(t: dict, variant: str) -> str:
 
 def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
                   variants: tuple[str, ...] = SCALING_VARIANTS,
-                  input_mode: str = "global") -> tuple[list[dict], dict]:
+                  input_mode: str = "global", progress=None) -> tuple[list[dict], dict]:
     """The scaling curve's rows and its table (see scaling_table)."""
     workers = check_worker_counts(workers or ((1, 2) if quick else (1, 2, 4, 8)))
     rounds = (1 if quick else 3) if rounds is None else rounds
@@ -633,8 +642,8 @@ def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
         raise ValueError("--variants must name tfdist and any of "
                          f"{', '.join(SCALING_VARIANTS[1:])}. Received: {','.join(variants)!r}")
     curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants,
-                          input_mode=input_mode)
-    return scaling_rows(curve, rounds=rounds), curve
+                          input_mode=input_mode, progress=progress)
+    return scaling_rows(curve), curve
 
 
 def check_worker_counts(workers) -> list[int]:
@@ -766,10 +775,11 @@ def run(quick: bool) -> list[dict]:
 
 
 def _scaling_only(quick: bool, models: list[str], workers, rounds,
-                  input_mode: str = "global",
-                  variants=SCALING_VARIANTS) -> tuple[list[dict], dict]:
+                  input_mode: str = "global", variants=SCALING_VARIANTS,
+                  progress=None) -> tuple[list[dict], dict]:
     rows, curve = _scaling_part(quick, models=models, workers=workers, rounds=rounds,
-                                input_mode=input_mode, variants=tuple(variants))
+                                input_mode=input_mode, variants=tuple(variants),
+                                progress=progress)
     if "conv" in curve and 2 in curve["conv"]["tfdist"]:
         rows += two_vs_one_rows(curve)
     return rows, scaling_table(curve)
@@ -818,9 +828,24 @@ def main(argv):
     if FLAGS.role == "scaling":
         return _scaling_worker(json.loads(FLAGS.config), FLAGS.worker_out)
     details = {}
+    command = " ".join(["python -m experiments.bench_multiworker", *sys.argv[1:]])
     if FLAGS.scaling_only:
-        rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds,
-                                    FLAGS.input, FLAGS.variants)
+        saved = []
+
+        def save_so_far(curve):
+            if FLAGS.out:
+                saved.append(FLAGS.out)
+                write_rows(FLAGS.out, scaling_rows(curve), quick=FLAGS.quick,
+                           load_average=os.getloadavg(), command=command, partial=True,
+                           scaling=scaling_table(curve))
+
+        try:
+            rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds,
+                                        FLAGS.input, FLAGS.variants, progress=save_so_far)
+        except RuntimeError as e:  # a launch failed or was stopped (SIGTERM, a timeout)
+            where = (f"The configurations measured before it are in {FLAGS.out} "
+                     '("partial": true).' if saved else "No configuration had finished.")
+            sys.exit(f"bench_multiworker: the scaling curve stopped: {e}\n{where}")
         details["scaling"] = table
     else:
         rows = run(FLAGS.quick)
@@ -830,8 +855,7 @@ def main(argv):
         print(format_table(details["scaling"]))
     if FLAGS.out:
         write_rows(FLAGS.out, rows, quick=FLAGS.quick, load_average=os.getloadavg(),
-                   command=" ".join(["python -m experiments.bench_multiworker", *sys.argv[1:]]),
-                   **details)
+                   command=command, **details)
 
 
 if __name__ == "__main__":

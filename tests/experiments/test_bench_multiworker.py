@@ -5,13 +5,15 @@ exist, their efficiencies are finite and positive, and worker 0 counted its coll
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from experiments import bench_multiworker as bench
-from tests.support import REPO, run_in_own_session
+from tests.support import REPO, run_in_own_session, running_roles
 
 
 @pytest.mark.slow
@@ -62,6 +64,47 @@ def test_scaling_curve_rows_at_1_and_2_workers(tmp_path):
     assert sorted(two["efficiency_vs_bound"]) == ["stock", "tfdist", "tfdist_unpacked"]
     assert "control's steps in lockstep" in rows["scaling_tiny_2workers_tfdist_efficiency"]["note"]
     assert table["1"]["synchronous_bound_ms"] is None  # no control at N = 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_curve_keeps_what_it_measured(tmp_path):
+    """SIGTERM while the 2-worker launch runs (a lease or a job's time running out): the
+    1-worker point measured before it is on disk, marked partial, the run ends with a
+    message instead of a traceback, and no worker is left."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.bench_multiworker", "--scaling_only",
+         "--models=tiny", "--workers=1,2", "--rounds=1", "--quick",
+         "--variants=tfdist,control", f"--out={out}"], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        # The 1-worker point is saved once it is measured; the next launch is N = 2's.
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while (not running_roles("experiments.bench_multiworker", "scaling")
+               and proc.poll() is None and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before its 2-worker launch"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert "bench_multiworker: the scaling curve stopped" in err, err[-3000:]
+    assert f"measured before it are in {out}" in err
+    assert "Traceback" not in err, err[-3000:]
+    report = json.loads(out.read_text())
+    assert report["partial"] is True
+    assert [r["name"] for r in report["rows"]] == ["scaling_tiny_1workers_tfdist_efficiency"]
+    assert sorted(report["scaling"]["tiny"]) == ["1"]
+    time.sleep(1.0)
+    assert not running_roles("experiments.bench_multiworker", "scaling")
 
 
 def test_synchronous_bound_takes_each_steps_slowest_process():
