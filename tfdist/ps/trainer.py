@@ -136,7 +136,11 @@ class _BatchLogs:
         if self._first is not None and (
                 not self._logs or now - self._read_at >= BATCH_LOG_INTERVAL):
             if not self._logs:
-                self._first.fetch()  # raises what the step raised
+                from tfdist.compat import ps_recovery
+
+                # Raises what the step raised; its value stays on the worker (which may
+                # be gone by now).
+                ps_recovery.wait_for_step(self._first)
             self._logs = ps_keras.pythonify(self._model.get_metrics_result())
             self._read_at = now
         return dict(self._logs)
@@ -400,7 +404,9 @@ class CoordinatorTrainer:
             if hooks.stop():
                 break
         self.coordinator.join()
-        logs = last.fetch() if last is not None else {}
+        logs = ps_recovery.fetch_unless_worker_gone(last) if last is not None else {}
+        if logs is None:  # the step ran; the worker holding its logs is gone
+            return ps_keras.pythonify(self.model.get_metrics_result())
         return ps_keras.pythonify(ps_keras.metrics_result_or_logs(self.model, logs))
 
     def _drop_kept_error(self) -> None:
