@@ -191,7 +191,7 @@ def test_a_worker_back_that_cannot_be_taken_back_is_said_so(monkeypatch, caplog)
     assert "succeeded after" in said[2], said
 
 
-def _finished_step(copy_error=None, step_error=None):
+def _finished_step(copy_error=None, step_error=None, state=None):
     """A real RemoteValueImpl as the coordinator leaves it once a step is done; its copy to
     the coordinator raises `copy_error` (a worker gone since the step finished)."""
     import tensorflow as tf
@@ -201,7 +201,7 @@ def _finished_step(copy_error=None, step_error=None):
     if step_error is not None:
         value._set_error(step_error)
     else:
-        value._set_values({"loss": tf.constant(0.5)})
+        value._set_values({"loss": tf.constant(0.5)} if state is None else state)
     def copy_to_local():  # no cluster here: the copy is the value itself, or the error
         if copy_error is not None:
             raise copy_error
@@ -267,3 +267,57 @@ def test_the_first_batch_log_reads_the_metrics_when_the_steps_worker_is_gone():
     logs = trainer._BatchLogs(model)
     logs.scheduled(_finished_step(copy_error=_gone()))
     assert sorted(logs.get()) == ["loss", "mae"]
+
+
+class _ShardCoordinator:
+    """Stands in for the coordinator of exact evaluation: shard k's metric state is
+    (total k + 1, count 1); the first result of each shard in `gone` cannot be read (its
+    worker died after the shard finished)."""
+
+    def __init__(self, gone):
+        self.gone, self.calls = set(gone), []
+
+    def schedule(self, function, args):
+        import numpy as np
+
+        shard = int(args[1])
+        self.calls.append(shard)
+        lost = shard in self.gone and self.calls.count(shard) == 1
+        return _finished_step(copy_error=_gone() if lost else None,
+                              state=[np.float32(shard + 1), np.float32(1)])
+
+    def join(self):
+        pass
+
+
+def _exact_evaluation(coordinator):
+    import keras
+    import numpy as np
+
+    from tfdist.ps import trainer as trainer_lib
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")  # its metric state: the loss tracker's total and count
+    model.evaluate(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
+    trainer = object.__new__(trainer_lib.CoordinatorTrainer)
+    trainer.model, trainer.coordinator = model, coordinator
+    trainer.build = lambda x: None
+    trainer._initial_metric_state = lambda: [np.float32(0), np.float32(0)]
+    trainer._shard_function = lambda num_shards, initial: "shard function"
+    trainer._per_worker_datasets = lambda x: "per-worker datasets"
+    return trainer.evaluate_exactly("dataset", num_shards=4)
+
+
+def test_exact_evaluation_runs_a_shard_again_when_its_worker_is_gone(monkeypatch):
+    import tensorflow as tf
+
+    from tfdist.ps import trainer as trainer_lib
+
+    coordinator = _ShardCoordinator(gone={1})
+    logs = _exact_evaluation(coordinator)
+    assert coordinator.calls == [0, 1, 2, 3, 1]  # shard 1 ran again
+    assert logs["loss"] == (1 + 2 + 3 + 4) / 4  # every shard counted once
+    # Negative control: without the re-run, the lost result ends the evaluation.
+    monkeypatch.setattr(trainer_lib, "SHARD_REREADS", 0)
+    with pytest.raises(tf.errors.UnavailableError):
+        _exact_evaluation(_ShardCoordinator(gone={1}))

@@ -134,9 +134,6 @@ def fetch_unless_worker_gone(remote_value) -> Any:
         return remote_value.fetch()
     except tf.errors.UnavailableError:
         if getattr(remote_value, "_error", "unknown") is None:
-            logger.warning("tfdist: the worker that ran the last step is gone; its step "
-                           "finished, so the logs are the metrics read from the parameter "
-                           "servers")
             return None
         raise
 

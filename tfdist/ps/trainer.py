@@ -37,6 +37,7 @@ Keras's metrics accumulate sums and counts) into the model's metrics.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import warnings
@@ -51,6 +52,11 @@ from tfdist.ps import data as data_lib
 # Batch-level logs are re-read from the parameter servers at most this often
 # (seconds): reading them costs RPCs on the coordinator.
 BATCH_LOG_INTERVAL = 0.2
+# How often a shard of exact evaluation runs again when the worker holding its result is
+# gone before the result was read.
+SHARD_REREADS = 3
+
+logger = logging.getLogger("tfdist")
 
 _TRAINERS: "weakref.WeakKeyDictionary[Any, CoordinatorTrainer]" = weakref.WeakKeyDictionary()
 _TRAINERS_LOCK = threading.Lock()
@@ -406,6 +412,9 @@ class CoordinatorTrainer:
         self.coordinator.join()
         logs = ps_recovery.fetch_unless_worker_gone(last) if last is not None else {}
         if logs is None:  # the step ran; the worker holding its logs is gone
+            logger.warning("tfdist: the worker that ran the last step is gone; its step "
+                           "finished, so the logs are the metrics read from the parameter "
+                           "servers")
             return ps_keras.pythonify(self.model.get_metrics_result())
         return ps_keras.pythonify(ps_keras.metrics_result_or_logs(self.model, logs))
 
@@ -510,6 +519,23 @@ class CoordinatorTrainer:
         self._functions[key] = tf.function(one_shard)
         return self._functions[key]
 
+    def _shard_state(self, function, datasets, shard: int, result) -> list:
+        """A finished shard's metric state. When the worker that ran it is gone before the
+        state was read (it lives on that worker), the shard runs again elsewhere: each
+        shard's state starts from the reset state, so a re-run counts its batches once."""
+        from tfdist.compat import ps_recovery
+
+        tf = import_tensorflow()
+        for _ in range(SHARD_REREADS):
+            state = ps_recovery.fetch_unless_worker_gone(result)
+            if state is not None:
+                return state
+            logger.warning("tfdist: the worker that evaluated shard %d is gone; running the "
+                           "shard again", shard)
+            result = self.coordinator.schedule(function,
+                                               args=(datasets, tf.constant(shard, tf.int64)))
+        return result.fetch()
+
     def _per_worker_datasets(self, x):
         key = ("exact", id(x))
         if key in self._iterators and self._iterators[key].x is x:
@@ -550,8 +576,8 @@ class CoordinatorTrainer:
                 break
         self.coordinator.join()
         merged = [v0.copy() for v0 in initial]
-        for result in results:
-            for i, value in enumerate(result.fetch()):
+        for shard, result in enumerate(results):
+            for i, value in enumerate(self._shard_state(function, datasets, shard, result)):
                 merged[i] = merged[i] + (value - initial[i])
         # Into the model's own metrics (on the ps), so callbacks and
         # get_metrics_result() see the exact values, as after Keras's evaluate.
