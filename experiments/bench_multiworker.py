@@ -593,10 +593,11 @@ def _baseline_note(model: str, n: int) -> str:
             "and pinning")
 
 
-def scaling_rows(curve: dict) -> list[dict]:
-    """One row per model, worker count and variant: its efficiency against the control."""
+def scaling_rows(table: dict) -> list[dict]:
+    """One row per model, worker count and variant of a scaling_table: its efficiency
+    against the control."""
     rows = []
-    for model, by_n in scaling_table(curve).items():
+    for model, by_n in table.items():
         for n, t in by_n.items():
             for variant, eff in t["efficiency"].items():
                 count, order, ms = t["collectives"].get(variant, (float("nan"), [], []))
@@ -643,7 +644,7 @@ def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
                          f"{', '.join(SCALING_VARIANTS[1:])}. Received: {','.join(variants)!r}")
     curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants,
                           input_mode=input_mode, progress=progress)
-    return scaling_rows(curve), curve
+    return scaling_rows(scaling_table(curve)), curve
 
 
 def check_worker_counts(workers) -> list[int]:
@@ -835,9 +836,10 @@ def main(argv):
         def save_so_far(curve):
             if FLAGS.out:
                 saved.append(FLAGS.out)
-                write_rows(FLAGS.out, scaling_rows(curve), quick=FLAGS.quick,
+                table = scaling_table(curve)
+                write_rows(FLAGS.out, scaling_rows(table), quick=FLAGS.quick,
                            load_average=os.getloadavg(), command=command, partial=True,
-                           scaling=scaling_table(curve))
+                           scaling=table)
 
         try:
             rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds,
