@@ -185,7 +185,13 @@ def main() -> int:
     if args.reference:
         np.save(args.reference, flat(model))
     else:
-        np.save(os.path.join(args.out, f"{task.replace(':', '')}.npy"), flat(model))
+        name = task.replace(':', '')
+        np.save(os.path.join(args.out, f"{name}.npy"), flat(model))
+        # Which launch attempt wrote it: a task of an earlier attempt can finish and save,
+        # then lose its attempt (another task killed), and the next attempt may run fewer
+        # workers (--min_workers), leaving that file behind.
+        with open(os.path.join(args.out, f"{name}.attempt"), "w") as f:
+            f.write(os.environ.get("TFDIST_LAUNCH_ATTEMPT", "0"))
     print("done", flush=True)
     return 0
 
