@@ -255,6 +255,7 @@ def _worker(config: dict, out: str) -> None:
     import numpy as np
 
     import tfdist
+    from tfdist.comm import buckets
     from experiments.bench_comm import (_pin, _tcp_bytes_sent, compute_and_exchange_seconds,
                                         step_timer)
 
@@ -288,6 +289,8 @@ def _worker(config: dict, out: str) -> None:
               "wire_bytes_per_step": sent, "core": core, "global_batch": batch,
               "params": int(model.count_params()),
               "shapes": [list(v.shape) for i, v in enumerate(model.trainable_variables)
+                         if i not in sparse],
+              "layers": [buckets.layer_of(v) for i, v in enumerate(model.trainable_variables)
                          if i not in sparse],
               "sparse": [dataclasses.asdict(g) for g in sparse.values()],
               "bucket_bytes": config["options"].get("bucket_bytes", 0)}
@@ -389,7 +392,8 @@ def _predict(result: dict, method: str, nodes: int, link) -> dict:
                   compute_seconds=result["compute_seconds"] + extra, rank=POWERSGD_RANK,
                   bucket_bytes=result.get("bucket_bytes", 0),
                   flops_per_second=flop_rate(result),
-                  bytes_per_second=result.get("stream_bytes_per_second"))
+                  bytes_per_second=result.get("stream_bytes_per_second"),
+                  layers=result.get("layers"))
     by_method = {c.compression: c for c in planning.candidates(**kwargs)}
     choice, reason = planning.recommend(**kwargs)
     predicted = by_method[METHODS[method].get("gradient_compression", "none")]

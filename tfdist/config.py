@@ -193,7 +193,8 @@ _COMM_HELP = {
                              "--gradient_compression=powersgd: optimizer steps all-reduced "
                              f"uncompressed first (default {DEFAULT_POWERSGD_WARMUP_STEPS}).",
     "bucket_bytes": "mirrored, multi_worker_mirrored: all-reduce gradients in buckets of about "
-                    "this many bytes, last layers first, each launched as soon as its own "
+                    "this many bytes, last layers first and cut at layer boundaries, each "
+                    "launched as soon as its own "
                     "gradients exist so communication overlaps the backward pass (0: one "
                     "all-reduce of every gradient, as Keras does).",
 }

@@ -71,23 +71,36 @@ def test_step_memory_against_the_measured_allocator_peaks():
 # --- collectives: buckets -----------------------------------------------------------------------
 
 def test_buckets_without_powersgd_pay_the_latency_per_bucket():
-    # CommSync.sum_dense at 1 MiB, last gradients first: each gradient cut into ceil(bytes /
-    # 1 MiB) near-equal pieces, grouped up to 1 MiB: [bias 40, (512,10) 20480, bias 2048],
-    # (1024,512) in 2 pieces of 1 MiB, [bias 4096], (1024,1024) in 4, [bias 4096 + the first
-    # of (784,1024)'s 4 pieces of 802,816 bytes], its other 3: 12 collectives.
+    # CommSync.sum_dense at 1 MiB, last gradients first, each gradient its own layer (no
+    # layers given): whole layers up to 1 MiB, a layer over it cut into ceil(bytes / 1 MiB)
+    # near-equal spans of its own: [bias 40, (512,10) 20480, bias 2048], (1024,512) in 2 spans,
+    # [bias 4096], (1024,1024) in 4, [bias 4096], (784,1024) in 4 of 802,816 bytes: 13.
     link = planning.Link(bandwidth=1e9, latency=1e-3)
     k = 4 * sum(n * m for n, m in MATRICES) + 4 * (1024 + 1024 + 512 + 10)
     for compression, per_number in (("none", 4), ("fp16", 2), ("bf16", 2)):
-        # fp16/bf16 pieces are grouped by their float32 bytes: the same 12 buckets.
+        # fp16/bf16 buckets are laid out by their float32 bytes: the same 13 buckets.
         seconds = planning.compressed_allreduce_time(MLP, 2, link, compression=compression,
                                                      bucket_bytes=1 << 20)
-        assert seconds == pytest.approx(12 * 2e-3 + k * per_number / 4 / 1e9), compression
-    assert planning.bucket_collectives(MLP, bucket_bytes=1 << 20) == 12
+        assert seconds == pytest.approx(13 * 2e-3 + k * per_number / 4 / 1e9), compression
+    assert planning.bucket_collectives(MLP, bucket_bytes=1 << 20) == 13
+    # With the layers (kernel and bias of each Dense): [dense_3's 20,520 bytes], then each
+    # layer over 1 MiB in spans of its own: dense_2 (2,099,200 bytes) 3, dense_1 5, dense 4.
+    layers = ["dense", "dense", "dense_1", "dense_1", "dense_2", "dense_2", "dense_3", "dense_3"]
+    assert planning.bucket_collectives(MLP, bucket_bytes=1 << 20, layers=layers) == 13
+    assert planning.bucket_collectives(MLP, bucket_bytes=1 << 21, layers=layers) == 1 + 2 + 3 + 2
+    assert planning.compressed_allreduce_time(
+        MLP, 2, link, bucket_bytes=1 << 21, layers=layers) == pytest.approx(8 * 2e-3 + k / 1e9)
+    with pytest.raises(ValueError, match="layers has 2 entries for 8 shapes"):
+        planning.bucket_collectives(MLP, bucket_bytes=1 << 20, layers=["a", "b"])
     assert planning.bucket_collectives(MLP) == 1
     assert planning.compressed_allreduce_time(MLP, 2, link) == pytest.approx(2e-3 + k / 1e9)
     rows = {c.compression: c for c in planning.candidates(
         shapes=MLP, num_replicas=2, link=link, compute_seconds=0.0, bucket_bytes=1 << 20)}
-    assert rows["none"].comm_seconds == pytest.approx(12 * 2e-3 + k / 1e9)
+    assert rows["none"].comm_seconds == pytest.approx(13 * 2e-3 + k / 1e9)
+    rows = {c.compression: c for c in planning.candidates(
+        shapes=MLP, num_replicas=2, link=link, compute_seconds=0.0, bucket_bytes=1 << 21,
+        layers=layers)}
+    assert rows["none"].comm_seconds == pytest.approx(8 * 2e-3 + k / 1e9)
 
 
 

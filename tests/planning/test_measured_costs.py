@@ -147,6 +147,10 @@ def test_powersgd_collectives_as_comm_sync_buckets_them():
     # [(1024,512) 2 MiB], [bias 4096], [(1024,1024) 4 MiB], [bias 4096], [(784,1024)]:
     # four buckets hold a matrix (2 each), two only a bias (1 each).
     assert planning.powersgd_collectives(MLP, 4, bucket_bytes=1 << 20) == 10
+    # With the layers: [dense_3] fits; dense_2, dense_1 and dense are over 1 MiB, each one
+    # bucket with its bias: four buckets, each with a matrix.
+    layers = ["dense", "dense", "dense_1", "dense_1", "dense_2", "dense_2", "dense_3", "dense_3"]
+    assert planning.powersgd_collectives(MLP, 4, bucket_bytes=1 << 20, layers=layers) == 8
     link = planning.Link(bandwidth=1e9, latency=1e-3)
     k = planning.compressed_gradient_bytes(MLP, compression="powersgd")
     assert planning.compressed_allreduce_time(

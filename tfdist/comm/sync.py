@@ -9,10 +9,11 @@ each replica, in place of Keras's single all-reduce:
   touched cross the wire already, and casting or factorising the gathered
   rows would buy little for the error it adds);
 - dense gradients are grouped into buckets of about `bucket_bytes`, last
-  layers first (the order the backward pass produces them); each bucket is
-  one collective whose only inputs are its own gradients, so it can start
-  while the backward pass is still computing earlier layers (TensorFlow's
-  executor runs an op as soon as its inputs exist);
+  layers first (the order the backward pass produces them) and cut at layer
+  boundaries (`tfdist.comm.buckets`); each bucket is one collective whose
+  only inputs are its own gradients, so it can start while the backward pass
+  is still computing earlier layers (TensorFlow's executor runs an op as soon
+  as its inputs exist);
 - "fp16"/"bf16": each gradient is cast to half precision before the
   all-reduce and back after (the sum is taken in half precision too, as in
   Horovod's `Compression.fp16`);
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tfdist._tf import import_tensorflow
+from tfdist.comm import buckets as buckets_lib
 from tfdist.comm import powersgd
 from tfdist.compat import comm_collectives as collectives
 from tfdist import sync as sync_lib
@@ -68,6 +70,8 @@ class CommSync(sync_lib.GradientSync):
         self.bytes_per_pack = bytes_per_pack
         # optimizer -> {variable key: (error, q)}; weak: an optimizer's state goes with it.
         self._state_of: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        # optimizer -> {variable key: the variable's layer}, for cutting buckets at layers.
+        self._layers_of: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         extra = (f", rank={self.rank}, warmup_steps={self.warmup_steps}"
@@ -88,9 +92,14 @@ class CommSync(sync_lib.GradientSync):
         over replicas, which is all the training depends on) and
         `<variable>_powersgd_q` (SyncOnRead, first replica: identical on all).
 
+        Also records each variable's layer (`tfdist.comm.buckets.layer_of`), so
+        that buckets are cut at layer boundaries.
+
         Raises:
           ValueError: the rank exceeds the smaller dimension of every weight matrix.
         """
+        self._layers_of[optimizer] = {optimizer_update.variable_key(optimizer, v):
+                                      buckets_lib.layer_of(v) for v in variables}
         if self.compression != "powersgd":
             return
         import keras
@@ -143,28 +152,35 @@ class CommSync(sync_lib.GradientSync):
             summing = sync_lib.sums_duplicates(optimizer)
             for i, (g, v) in zip(sparse, reduced):
                 out[i] = (sync_lib.sum_duplicate_indices(g) if summing else g, v)
+        layers_of = self._layers_of.get(optimizer, {})
+        layers = [layers_of.get(optimizer_update.variable_key(optimizer, v))
+                  for _, v in grads_and_vars]
         if self.compression == "powersgd":
             # Buckets of whole variables: PowerSGD factorises each matrix.
-            for bucket in _group(list(reversed(dense)),
-                                 lambda i: _nbytes(grads_and_vars[i][0]), self.bucket_bytes):
-                grads = [grads_and_vars[i][0] for i in bucket]
-                variables = [grads_and_vars[i][1] for i in bucket]
-                for i, g in zip(bucket, self._powersgd(optimizer, grads, variables)):
+            order = list(reversed(dense))
+            for bucket in self._layout([grads_and_vars[i][0] for i in order],
+                                       [layers[i] for i in order], split=False):
+                indices = [order[segment.item] for segment in bucket]
+                grads = [grads_and_vars[i][0] for i in indices]
+                variables = [grads_and_vars[i][1] for i in indices]
+                for i, g in zip(indices, self._powersgd(optimizer, grads, variables)):
                     out[i] = (g, grads_and_vars[i][1])
             return out
-        for i, g in zip(dense, self.sum_dense([grads_and_vars[i][0] for i in dense])):
+        summed = self.sum_dense([grads_and_vars[i][0] for i in dense], [layers[i] for i in dense])
+        for i, g in zip(dense, summed):
             out[i] = (g, grads_and_vars[i][1])
         return out
 
-    def sum_dense(self, grads: list) -> list:
+    def sum_dense(self, grads: list, layers: list | None = None) -> list:
         """Sums dense gradients over replicas (cast to half precision for fp16/bf16).
 
         Without bucket_bytes: one collective. With it: the gradients, last ones
-        first, are cut into pieces of at most bucket_bytes (a large gradient
-        becomes several pieces; small ones share a bucket), and each bucket is
-        its own collective, depending only on its own gradients. Smaller
-        messages also move faster over gRPC than one large one (see
-        experiments/bench_allreduce.py).
+        first, go into buckets of about bucket_bytes cut at layer boundaries
+        (`layers`: each gradient's layer, None: each its own;
+        `tfdist.comm.buckets.layout`: a layer larger than a bucket is cut into
+        spans of its own), and each bucket is its own collective, depending
+        only on its own gradients. Smaller messages also move faster over gRPC
+        than one large one (see experiments/bench_allreduce.py).
         """
         tf = import_tensorflow()
         half = getattr(tf, _HALF[self.compression]) if self.compression in _HALF else None
@@ -172,32 +188,39 @@ class CommSync(sync_lib.GradientSync):
         if not self.bucket_bytes:
             summed = self._all_reduce(sent)
         else:
-            pieces = []  # (gradient index, piece), last gradients first
-            for index in reversed(range(len(sent))):
-                g = sent[index]
-                count = max(1, -(-_nbytes(grads[index]) // self.bucket_bytes))
-                if count == 1 or not g.shape.is_fully_defined():
-                    pieces.append((index, g))
-                    continue
-                flat = tf.reshape(g, [-1])
-                n = flat.shape[0]
-                sizes = [n // count + (1 if k < n % count else 0) for k in range(count)]
-                pieces += [(index, piece) for piece in tf.split(flat, sizes)]
-            reduced = {}
-            for bucket in _group(list(range(len(pieces))),
-                                 lambda k: _nbytes(pieces[k][1]) * (2 if half is not None else 1),
-                                 self.bucket_bytes):
-                for k, r in zip(bucket, self._all_reduce([pieces[k][1] for k in bucket])):
-                    reduced[k] = r
-            summed = []
-            for index, g in enumerate(sent):
-                parts = [reduced[k] for k, (i, _) in enumerate(pieces) if i == index]
-                # Pieces were cut last-gradient-first but in order within a gradient.
-                summed.append(parts[0] if len(parts) == 1 and parts[0].shape == g.shape
-                              else tf.reshape(tf.concat(parts, 0), tf.shape(g)))
+            order = list(reversed(range(len(sent))))  # last gradients first
+            flat: dict = {}
+            parts: dict = {i: [] for i in order}
+
+            def segment_tensor(segment):
+                i = order[segment.item]
+                if segment.stop is None and segment.start == 0:
+                    return sent[i]
+                if i not in flat:
+                    flat[i] = tf.reshape(sent[i], [-1])
+                stop = segment.stop if segment.stop is not None else flat[i].shape[0]
+                return flat[i][segment.start:stop]
+
+            for bucket in self._layout([grads[i] for i in order],
+                                       None if layers is None else [layers[i] for i in order]):
+                for segment, r in zip(bucket, self._all_reduce(
+                        [segment_tensor(segment) for segment in bucket])):
+                    parts[order[segment.item]].append(r)
+            # A gradient's segments come in order: one whole, or spans to join.
+            summed = [parts[i][0] if i not in flat
+                      else tf.reshape(tf.concat(parts[i], 0), tf.shape(g))
+                      for i, g in enumerate(sent)]
         if half is None:
             return summed
         return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+
+    def _layout(self, grads: list, layers: list | None, *, split: bool = True) -> list:
+        """`tfdist.comm.buckets.layout` of `grads` (sending order), in float32-equivalent
+        bytes: fp16/bf16 buckets are counted by the gradients' own bytes."""
+        return buckets_lib.layout(
+            [g.shape.num_elements() if g.shape.is_fully_defined() else 0 for g in grads],
+            self.bucket_bytes, layers=layers, bytes_per_element=[g.dtype.size for g in grads],
+            split=split)
 
     def _all_reduce(self, tensors: list) -> list:
         """One collective per dtype among `tensors` (a pack is concatenated)."""
@@ -253,31 +276,6 @@ class CommSync(sync_lib.GradientSync):
             out[i] = tf.cast(tf.reshape(approx, tf.shape(grads[i])), grads[i].dtype)
         with tf.control_dependencies(updates):
             return [tf.identity(g) for g in out]
-
-
-def _nbytes(tensor: Any) -> int:
-    """Bytes of a tensor of static shape (0 if unknown: it then never starts a new bucket)."""
-    if not tensor.shape.is_fully_defined():
-        return 0
-    return tensor.shape.num_elements() * tensor.dtype.size
-
-
-def _group(items: list, size_of: Callable, limit: int) -> list[list]:
-    """`items` in order, in consecutive groups of at most `limit` bytes (0: one group)."""
-    if not items:
-        return []
-    if not limit:
-        return [items]
-    groups, current, size = [], [], 0
-    for item in items:
-        nbytes = size_of(item)
-        if current and size + nbytes > limit:
-            groups.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += nbytes
-    groups.append(current)
-    return groups
 
 
 def _initial_q(columns: int, rank: int, index: int) -> np.ndarray:

@@ -245,59 +245,55 @@ def compressed_gradient_bytes(shapes: Sequence[Sequence[int]], *, compression: s
     return per_number * sum(powersgd.wire_numbers(s, rank) for s in shapes)
 
 
-def _buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Indices of `sizes`, in order, grouped as `tfdist.comm.sync` groups them.
+def _layout(shapes: Sequence[Sequence[int]], bucket_bytes: int,
+            layers: Sequence | None, *, split: bool) -> list:
+    """`tfdist.comm.buckets.layout` of float32 gradients of `shapes`, last first, as
+    `tfdist.comm.sync.CommSync` lays them out."""
+    from tfdist.comm import buckets
 
-    A new bucket starts where adding the next item would pass `bucket_bytes`
-    (0: one bucket); an item larger than that gets a bucket of its own.
-    """
-    buckets: list[list[int]] = []
-    size = 0
-    for i, nbytes in enumerate(sizes):
-        if not buckets or (bucket_bytes and size + nbytes > bucket_bytes and buckets[-1]):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-    return buckets
+    if layers is not None and len(layers) != len(shapes):
+        raise ValueError(f"layers has {len(layers)} entries for {len(shapes)} shapes; pass "
+                         "one layer per shape (e.g. tfdist.comm.buckets.layer_of of each "
+                         "trainable variable), in the same order.")
+    return buckets.layout([math.prod(int(d) for d in s) for s in reversed(shapes)],
+                          bucket_bytes, split=split,
+                          layers=None if layers is None else list(reversed(layers)))
 
 
-def bucket_collectives(shapes: Sequence[Sequence[int]], *, bucket_bytes: int = 0) -> int:
+def bucket_collectives(shapes: Sequence[Sequence[int]], *, bucket_bytes: int = 0,
+                       layers: Sequence | None = None) -> int:
     """All-reduces of the dense gradients per step without PowerSGD (`CommSync.sum_dense`).
 
-    Without `bucket_bytes`: one. With it: each float32 gradient, last first, is
-    cut into ceil(bytes / bucket_bytes) pieces of near-equal element counts,
-    and the pieces are grouped into buckets of at most `bucket_bytes` (counted
-    in float32 bytes with fp16/bf16 too); each bucket is one collective.
+    Without `bucket_bytes`: one. With it: the float32 gradients, last first,
+    go into buckets of at most `bucket_bytes` cut at layer boundaries
+    (`layers`: each shape's layer; None: each shape its own), a layer larger
+    than that cut into ceil(bytes / bucket_bytes) spans of its own
+    (`tfdist.comm.buckets.layout`; counted in float32 bytes with fp16/bf16
+    too); each bucket is one collective.
     """
     check_positive("bucket_bytes", bucket_bytes, integer=True, allow_zero=True)
     if not shapes:
         return 0
     if not bucket_bytes:
         return 1
-    pieces = []
-    for shape in reversed(shapes):
-        n = math.prod(int(d) for d in shape)
-        count = max(1, -(-4 * n // bucket_bytes))
-        pieces += [4 * (n // count + (1 if k < n % count else 0)) for k in range(count)]
-    return len(_buckets(pieces, bucket_bytes))
+    return len(_layout(shapes, bucket_bytes, layers, split=True))
 
 
 def powersgd_collectives(shapes: Sequence[Sequence[int]], rank: int, *,
-                         bucket_bytes: int = 0) -> int:
+                         bucket_bytes: int = 0, layers: Sequence | None = None) -> int:
     """All-reduces PowerSGD launches per step, as `tfdist.comm.sync.CommSync` runs it.
 
-    The dense gradients, last first, are grouped into buckets of about
-    `bucket_bytes` (0: one bucket); a bucket holding a compressed matrix runs two
-    collectives (its P's packed with its uncompressed gradients, then its Q's),
-    one holding none runs one.
+    The dense gradients, last first, are grouped whole into buckets of about
+    `bucket_bytes` cut at layer boundaries (0: one bucket; a layer larger than
+    that is one bucket; `layers` as in `bucket_collectives`); a bucket holding a
+    compressed matrix runs two collectives (its P's packed with its
+    uncompressed gradients, then its Q's), one holding none runs one.
     """
     from tfdist.comm import powersgd
 
-    sizes = [4 * math.prod(int(d) for d in s) for s in reversed(shapes)]
     compressed = [powersgd.compresses(s, rank) for s in reversed(shapes)]
-    return sum(2 if any(compressed[i] for i in bucket) else 1
-               for bucket in _buckets(sizes, bucket_bytes))
+    return sum(2 if any(compressed[segment.item] for segment in bucket) else 1
+               for bucket in _layout(shapes, bucket_bytes, layers, split=False))
 
 
 def _powersgd_ops(n: int, m: int, rank: int) -> list[tuple[float, float]]:
@@ -376,7 +372,7 @@ def powersgd_seconds(shapes: Sequence[Sequence[int]], rank: int, *, flops_per_se
 
 def compressed_allreduce_time(shapes: Sequence[Sequence[int]], num_replicas: int, link: Link,
                               *, compression: str = "none", rank: int = 4,
-                              bucket_bytes: int = 0) -> float:
+                              bucket_bytes: int = 0, layers: Sequence | None = None) -> float:
     """alpha-beta time of one step's gradient exchange with `compression`.
 
     One ring all-reduce of the compressed bytes, paying the latency once per
@@ -387,9 +383,9 @@ def compressed_allreduce_time(shapes: Sequence[Sequence[int]], num_replicas: int
     `powersgd_flops`, costed by `candidates`.
     """
     total = compressed_gradient_bytes(shapes, compression=compression, rank=rank)
-    rounds = powersgd_collectives(shapes, rank, bucket_bytes=bucket_bytes) \
+    rounds = powersgd_collectives(shapes, rank, bucket_bytes=bucket_bytes, layers=layers) \
         if compression == "powersgd" else max(1, bucket_collectives(
-            shapes, bucket_bytes=bucket_bytes))
+            shapes, bucket_bytes=bucket_bytes, layers=layers))
     if num_replicas < 2:
         return 0.0
     return (rounds - 1) * 2 * (num_replicas - 1) * link.latency + ring_allreduce_time(
@@ -434,7 +430,8 @@ def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: i
                flops_per_second: float = 100e9,
                rank: int = config_lib.DEFAULT_POWERSGD_RANK,
                bucket_bytes: int = 0,
-               bytes_per_second: float | None = None) -> list[CompressionCost]:
+               bytes_per_second: float | None = None,
+               layers: Sequence | None = None) -> list[CompressionCost]:
     """The cost of every method (no overlap of compute and communication assumed).
 
     Each method's step is `compute_seconds` + its exchange's alpha-beta time
@@ -455,19 +452,22 @@ def candidates(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: i
       bucket_bytes: `bucket_bytes` of the exchange (one collective per bucket,
         two for a PowerSGD bucket that holds a compressed matrix).
       bytes_per_second: the device's memory streaming rate (None: unknown).
+      layers: each shape's layer, where buckets are cut (None: each shape its
+        own; `tfdist.comm.buckets.layer_of` of each trainable variable).
     """
     if shapes is None:
         if gradient_bytes is None:
             raise ValueError("Pass shapes=[...] (the trainable variables' shapes) or "
                              "gradient_bytes=K. Received neither.")
         shapes = [(max(1, int(gradient_bytes) // 4),)]  # one vector: never factorised
+        layers = None
     methods = [m for m in config_lib.GRADIENT_COMPRESSIONS
                if m != "powersgd" or any(_powersgd().compresses(s, rank) for s in shapes)]
     rows = []
     for method in methods:
         wire = compressed_gradient_bytes(shapes, compression=method, rank=rank)
         comm = compressed_allreduce_time(shapes, num_replicas, link, compression=method,
-                                         rank=rank, bucket_bytes=bucket_bytes)
+                                         rank=rank, bucket_bytes=bucket_bytes, layers=layers)
         extra = 0.0
         if method == "powersgd":
             extra = powersgd_seconds(shapes, rank, flops_per_second=flops_per_second,
@@ -481,12 +481,13 @@ def recommend(*, shapes: Sequence[Sequence[int]] | None = None, num_replicas: in
               flops_per_second: float = 100e9,
               rank: int = config_lib.DEFAULT_POWERSGD_RANK,
               bucket_bytes: int = 0,
-              bytes_per_second: float | None = None) -> tuple[str, str]:
+              bytes_per_second: float | None = None,
+              layers: Sequence | None = None) -> tuple[str, str]:
     """(compression, reason): the fastest method, or "none" when communication is small."""
     rows = candidates(shapes=shapes, num_replicas=num_replicas, link=link,
                       compute_seconds=compute_seconds, gradient_bytes=gradient_bytes,
                       flops_per_second=flops_per_second, rank=rank, bucket_bytes=bucket_bytes,
-                      bytes_per_second=bytes_per_second)
+                      bytes_per_second=bytes_per_second, layers=layers)
     plain = rows[0]
     if num_replicas < 2:
         return "none", "one replica: nothing crosses the wire"

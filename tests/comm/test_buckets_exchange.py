@@ -1,0 +1,70 @@
+"""The exchange lays buckets out at layer boundaries, as the planner counts them (in-process,
+mirrored over 2 logical CPUs)."""
+
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist import planning
+from tfdist.comm import buckets
+from tfdist.compat import comm_collectives, optimizer_update
+
+
+def _conv_model(keras):
+    # bench_comm's conv model on smaller images: 4x Conv2D(32, 3), pooling, Dense(10).
+    inputs = keras.Input((8, 8, 16))
+    x = inputs
+    for _ in range(4):
+        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+def _exchange(monkeypatch, bucket_bytes: int, forget_layers: bool = False):
+    """Trains one step; returns (the bytes of each bucket's collective in replica 0's
+    trace, the model)."""
+    import keras
+
+    calls = []
+    original = comm_collectives.all_reduce_sum
+
+    def counting(strategy, tensors, **kwargs):
+        calls.append([t.shape.num_elements() * t.dtype.size for t in tensors])
+        return original(strategy, tensors, **kwargs)
+
+    monkeypatch.setattr(comm_collectives, "all_reduce_sum", counting)
+    strategy = tfdist.make_strategy("mirrored", num_devices=2, bucket_bytes=bucket_bytes)
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = _conv_model(keras)
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    if forget_layers:
+        model.optimizer.build(model.trainable_variables)
+        optimizer_update.gradient_sync(strategy, model.optimizer)._layers_of.clear()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 8, 8, 16)).astype("float32")
+    y = rng.integers(0, 10, 8)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(calls) % 2 == 0  # each replica traces the same exchange
+    return calls[:len(calls) // 2], model
+
+
+@pytest.mark.timeout(300)
+def test_buckets_follow_layers_and_the_planner_counts_them(monkeypatch):
+    calls, model = _exchange(monkeypatch, 40000)
+    # dense (1320 bytes) and conv2d_3 (36,992) share the first bucket; every other layer
+    # is a bucket of its own: the bias of the layer below waits for its own layer.
+    assert [sum(c) for c in calls] == [38312, 36992, 36992, 18560]
+    variables = model.trainable_variables
+    layers = [buckets.layer_of(v) for v in variables]
+    assert len(set(layers)) == 5 and None not in layers
+    assert len(calls) == planning.bucket_collectives(
+        [tuple(v.shape) for v in variables], bucket_bytes=40000, layers=layers)
+
+
+@pytest.mark.timeout(300)
+def test_without_the_layers_the_first_bucket_takes_the_bias_below(monkeypatch):
+    # Negative control: with the layers forgotten, each gradient is its own layer, as
+    # tfdist laid buckets out before, and the first bucket takes conv2d_2's bias too.
+    calls, _ = _exchange(monkeypatch, 40000, forget_layers=True)
+    assert sum(calls[0]) == 38312 + 128
