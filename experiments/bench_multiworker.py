@@ -627,8 +627,9 @@ def _bound_note(t: dict, variant: str) -> str:
 
 def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
                   variants: tuple[str, ...] = SCALING_VARIANTS,
-                  input_mode: str = "global", progress=None) -> tuple[list[dict], dict]:
-    """The scaling curve's rows and its table (see scaling_table)."""
+                  input_mode: str = "global",
+                  progress=None) -> tuple[list[dict], dict, dict]:
+    """The scaling curve's rows, the curve, and its table (see scaling_table)."""
     workers = check_worker_counts(workers or ((1, 2) if quick else (1, 2, 4, 8)))
     rounds = (1 if quick else 3) if rounds is None else rounds
     unknown = [m for m in models if m not in SCALING_MODELS]
@@ -644,7 +645,8 @@ def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
                          f"{', '.join(SCALING_VARIANTS[1:])}. Received: {','.join(variants)!r}")
     curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants,
                           input_mode=input_mode, progress=progress)
-    return scaling_rows(scaling_table(curve)), curve
+    table = scaling_table(curve)
+    return scaling_rows(table), curve, table
 
 
 def check_worker_counts(workers) -> list[int]:
@@ -765,7 +767,7 @@ def run(quick: bool) -> list[dict]:
                      "GB/s", f"fit T = alpha + K*beta; raw TCP {tcp / 1e9:.2f} GB/s"))
     # Interleaved rounds (1 worker, 2 workers, ...) and medians: one pair of
     # short runs swings by +-30% on a shared 2-core machine.
-    _, conv = _scaling_part(quick, models=("conv",), workers=(1, 2), variants=("tfdist",))
+    _, conv, _ = _scaling_part(quick, models=("conv",), workers=(1, 2), variants=("tfdist",))
     rows += two_vs_one_rows(conv, (alpha, beta))
     if not quick:  # the overhead curve: the tiny model at 1, 2 and 4 workers, every variant
         rows += _scaling_part(quick, models=("tiny",), workers=(1, 2, 4))[0]
@@ -778,12 +780,12 @@ def run(quick: bool) -> list[dict]:
 def _scaling_only(quick: bool, models: list[str], workers, rounds,
                   input_mode: str = "global", variants=SCALING_VARIANTS,
                   progress=None) -> tuple[list[dict], dict]:
-    rows, curve = _scaling_part(quick, models=models, workers=workers, rounds=rounds,
-                                input_mode=input_mode, variants=tuple(variants),
-                                progress=progress)
+    rows, curve, table = _scaling_part(quick, models=models, workers=workers, rounds=rounds,
+                                       input_mode=input_mode, variants=tuple(variants),
+                                       progress=progress)
     if "conv" in curve and 2 in curve["conv"]["tfdist"]:
         rows += two_vs_one_rows(curve)
-    return rows, scaling_table(curve)
+    return rows, table
 
 
 def format_table(table: dict) -> str:

@@ -16,10 +16,7 @@ from experiments import bench_cluster
 from experiments.rows import row
 from tests.support import live_namespaces, namespaces_refused, running_roles
 
-
-def _bench_workers() -> list[int]:
-    """Pids of bench_cluster worker processes still alive."""
-    return running_roles("experiments.bench_cluster")
+WORKERS = "experiments.bench_cluster"  # the module its worker processes run
 
 
 def test_bad_arguments_name_what_was_received():
@@ -143,7 +140,7 @@ def test_smallest_configuration_runs_on_simulated_nodes_and_cleans_up():
                              on_lab=lambda lab: labs.append(lab.namespaces()))
     assert len(labs) == 1 and len(labs[0]) == 3  # two nodes and the switch
     assert not labs[0] & live_namespaces()
-    assert not _bench_workers()
+    assert not running_roles(WORKERS)
     by_name = {r["name"]: r for r in rows}
     name = "cluster/2 nodes/1 Gbit/s-eq/mlp/powersgd"
     for kind in ("step", "wire", "hidden", "predicted/measured"):
@@ -194,7 +191,7 @@ def test_a_failed_configuration_gets_its_row_and_the_others_still_run(monkeypatc
     # The fitted link moves ~8 MB/s, so the 3.3 MB exchange is predicted near 0.4 s + 0.05 s.
     ratio = by_name["cluster/2 nodes/1 Gbit/s-eq/mlp/none: predicted/measured"]["value"]
     assert 0.7 < ratio < 1.1, ratio
-    assert not _bench_workers()
+    assert not running_roles(WORKERS)
 
 
 def test_leftover_workers_would_be_seen():
@@ -205,13 +202,13 @@ def test_leftover_workers_would_be_seen():
         # Right after the fork /proc/<pid>/cmdline can still read empty (seen: 24 of 30
         # checks made at once): poll briefly.
         deadline = time.monotonic() + 10
-        while proc.pid not in _bench_workers() and time.monotonic() < deadline:
+        while proc.pid not in running_roles(WORKERS) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert proc.pid in _bench_workers()
+        assert proc.pid in running_roles(WORKERS)
     finally:
         proc.kill()
         proc.wait()
-    assert proc.pid not in _bench_workers()
+    assert proc.pid not in running_roles(WORKERS)
 
 
 def test_wait_for_workers_names_a_failed_or_stuck_worker_and_leaves_none():
