@@ -194,12 +194,11 @@ class CommSync(sync_lib.GradientSync):
 
             def segment_tensor(segment):
                 i = order[segment.item]
-                if segment.stop is None and segment.start == 0:
+                if segment.stop is None:  # the whole gradient
                     return sent[i]
                 if i not in flat:
                     flat[i] = tf.reshape(sent[i], [-1])
-                stop = segment.stop if segment.stop is not None else flat[i].shape[0]
-                return flat[i][segment.start:stop]
+                return flat[i][segment.start:segment.stop]
 
             for bucket in self._layout([grads[i] for i in order],
                                        None if layers is None else [layers[i] for i in order]):
