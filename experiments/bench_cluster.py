@@ -2,14 +2,14 @@
 
     python -m experiments.bench_cluster [--nodes=2,4] [--rates=1,10] [--models=mlp,conv,bert]
         [--methods=none,buckets,fp16,bf16,powersgd] [--steps=8] [--rounds=1]
-        [--digits_epochs=0] [--out=results/bench_cluster.json]
+        [--digits_epochs=0] [--inter_op=1] [--out=results/bench_cluster.json]
 
 Every "node" is a network namespace joined to a switch namespace by a veth
 pair whose two directions are shaped with a `tc` HTB class (experiments/netlab.py;
 the kernel here has no netem, so no delay is added: the round trip is what
 veth, the bridge and HTB give, measured and printed). Node k runs one
 `multi_worker_mirrored` worker at 192.0.2.(k+1) with one intra-op and one
-inter-op thread, pinned to core k mod the machine's cores.
+inter-op thread (`--inter_op`: more), pinned to core k mod the machine's cores.
 
 Link rates are equivalents scaled to this machine's compute (`RATE_SCALE`):
 a node here is one core, a real node is taken to be 16 such cores (the
@@ -27,7 +27,8 @@ to the cost of the dense gradients (`tfdist.planning.sparse_exchange`, for the v
 `tfdist.model_stats` finds in `sparse_gradients`).
 
 For every nodes x rate x model x method (none; `buckets`: `--bucket_bytes`,
-default 1 MiB; fp16; bf16; powersgd rank 4, no warm-up), one fresh set of worker
+default 1 MiB; `buckets_tf_order`: the same with `bucket_priority=False`; fp16;
+bf16; powersgd rank 4, no warm-up), one fresh set of worker
 processes measures:
 - the training step (`model.fit`, median of the per-step wall times on
   worker 0) and samples/s;
@@ -79,6 +80,8 @@ POWERSGD_RANK = 4
 METHODS = {
     "none": {},
     "buckets": {"bucket_bytes": BUCKET_BYTES},
+    # the same buckets, the backward pass in TensorFlow's own order (no bucket_priority)
+    "buckets_tf_order": {"bucket_bytes": BUCKET_BYTES, "bucket_priority": False},
     "fp16": {"gradient_compression": "fp16"},
     "bf16": {"gradient_compression": "bf16"},
     "powersgd": {"gradient_compression": "powersgd", "powersgd_rank": POWERSGD_RANK,
@@ -117,6 +120,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("digits_epochs", 0, "Also train the MLP's layers on digits for this "
                          "many epochs with each method (mlp only; first round) and report the "
                          "held-out accuracy. 0: not measured.")
+    flags.DEFINE_integer("inter_op", 1, "Inter-op threads per worker (TensorFlow's default "
+                         "is one per core; a bucket's all-reduce launches on this pool).")
     flags.DEFINE_string("out", "results/bench_cluster.json", "Where to write the rows (JSON).")
     flags.DEFINE_string("role", None, "Internal: run as a worker with this JSON config.")
     flags.DEFINE_string("worker_out", None, "Internal: the worker's result file.")
@@ -127,7 +132,7 @@ FLAGS = flags.FLAGS
 
 def check_arguments(nodes, rates, models, methods, steps: int,
                     bucket_bytes: int = BUCKET_BYTES, rounds: int = 1,
-                    digits_epochs: int = 0) -> None:
+                    digits_epochs: int = 0, inter_op: int = 1) -> None:
     """ValueError naming what was received when the arguments cannot run."""
     if not nodes or any(n < 2 for n in nodes):
         raise ValueError(f"--nodes must be node counts >= 2. Received: {list(nodes)}")
@@ -144,6 +149,8 @@ def check_arguments(nodes, rates, models, methods, steps: int,
         raise ValueError(f"--bucket_bytes must be >= 1. Received: bucket_bytes={bucket_bytes}")
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1. Received: rounds={rounds}")
+    if inter_op < 1:
+        raise ValueError(f"--inter_op must be >= 1. Received: inter_op={inter_op}")
     if digits_epochs < 0:
         raise ValueError(f"--digits_epochs must be >= 0 (0: accuracy not measured). "
                          f"Received: digits_epochs={digits_epochs}")
@@ -261,7 +268,7 @@ def _worker(config: dict, out: str) -> None:
 
     task_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     core = _pin(task_id)
-    tfdist.configure_threads(intra_op=1, inter_op=1)
+    tfdist.configure_threads(intra_op=1, inter_op=config.get("inter_op", 1))
     tf = tfdist._tf.import_tensorflow()
     import keras
 
@@ -293,7 +300,8 @@ def _worker(config: dict, out: str) -> None:
               "layers": [buckets.layer_of(v) for i, v in enumerate(model.trainable_variables)
                          if i not in sparse],
               "sparse": [dataclasses.asdict(g) for g in sparse.values()],
-              "bucket_bytes": config["options"].get("bucket_bytes", 0)}
+              "bucket_bytes": config["options"].get("bucket_bytes", 0),
+              "inter_op": config.get("inter_op", 1)}
     result["train_flops"] = stats.train_flops_per_example * (batch // workers)
     result["stream_bytes_per_second"] = stream_rate(tf, result["params"])
     result["compute_seconds"], result["comm_seconds"] = compute_and_exchange_seconds(
@@ -426,7 +434,8 @@ def config_name(nodes: int, rate: float, model: str, method: str) -> str:
 
 
 def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET_BYTES,
-        rounds: int = 1, digits_epochs: int = 0, log=print, on_lab=None) -> list[dict]:
+        rounds: int = 1, digits_epochs: int = 0, inter_op: int = 1, log=print,
+        on_lab=None) -> list[dict]:
     """Rows per configuration and the targets (see the module docstring).
 
     With rounds > 1, every (model, method) of a lab and rate runs once per round, the
@@ -444,7 +453,8 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
     from experiments.rows import row
     from tfdist import planning
 
-    check_arguments(nodes, rates, models, methods, steps, bucket_bytes, rounds, digits_epochs)
+    check_arguments(nodes, rates, models, methods, steps, bucket_bytes, rounds, digits_epochs,
+                    inter_op)
     measured: dict[tuple, list[dict]] = {}
     accuracy: dict[tuple, dict] = {}
     failed: dict[tuple, str] = {}
@@ -471,7 +481,7 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                         if "bucket_bytes" in options:
                             options["bucket_bytes"] = bucket_bytes
                         config = {"model": model, "method": method, "options": options,
-                                  "steps": steps,
+                                  "steps": steps, "inter_op": inter_op,
                                   "calibrate": 0 if link else max(3, steps // 2),
                                   "digits_epochs": digits_epochs
                                   if model == "mlp" and r == 0 else 0}
@@ -537,7 +547,8 @@ def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
         group = {k[3]: v for k, v in measured.items() if k[:3] == (n, rate, model)}
         fastest = min(group, key=lambda m: group[m]["step_seconds"])
         name = config_name(n, rate, model, method)
-        setup = (f"{n} nodes x 1 worker (1 intra + 1 inter-op thread, pinned to core k mod "
+        setup = (f"{n} nodes x 1 worker (1 intra + {r.get('inter_op', 1)} inter-op thread"
+                 f"{'s' if r.get('inter_op', 1) > 1 else ''}, pinned to core k mod "
                  f"{os.cpu_count()}), {r['params']:,} params, global batch {r['global_batch']}; "
                  f"link {rate * RATE_SCALE * 1e3:g} Mbit/s each way (tc HTB, {rate:g} Gbit/s x "
                  f"{RATE_SCALE:g}; one TCP stream {lk['probe']['bytes_per_second'] * 8 / 1e6:.0f}"
@@ -567,7 +578,7 @@ def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
                         f"{r['compute_seconds'] * 1e3:.1f} + exchange "
                         f"{r['predicted_comm'] * 1e3:.1f} ms, no overlap"
                         + (f", buckets of {bucket_bytes} bytes: the latency once per bucket"
-                           if method == "buckets" else "")
+                           if "bucket_bytes" in METHODS[method] else "")
                         + (f"; its own compute at {r['flops_per_second'] / 1e9:.0f} GFLOP/s"
                            + (f", {r['bytes_per_second'] / 1e9:.1f} GB/s"
                               if r.get("bytes_per_second") else "")
@@ -658,14 +669,14 @@ def main(argv):
     nodes = [int(n) for n in FLAGS.nodes]
     rates = [float(r) for r in FLAGS.rates]
     check_arguments(nodes, rates, FLAGS.models, FLAGS.methods, FLAGS.steps, FLAGS.bucket_bytes,
-                    FLAGS.rounds, FLAGS.digits_epochs)
+                    FLAGS.rounds, FLAGS.digits_epochs, FLAGS.inter_op)
     problem = NetLab.available()
     if problem:
         print(f"bench_cluster: cannot build the simulated nodes here: {problem}", file=sys.stderr)
         return 1
     rows = run(nodes, rates, FLAGS.models, FLAGS.methods, steps=FLAGS.steps,
                bucket_bytes=FLAGS.bucket_bytes, rounds=FLAGS.rounds,
-               digits_epochs=FLAGS.digits_epochs)
+               digits_epochs=FLAGS.digits_epochs, inter_op=FLAGS.inter_op)
     print_rows(rows)
     if FLAGS.out:
         write_rows(FLAGS.out, rows, command="python -m experiments.bench_cluster " + " ".join(

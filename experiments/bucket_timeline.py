@@ -2,7 +2,7 @@
 
     python -m experiments.bucket_timeline [--bucket_bytes=16384] [--inter_op=1,2] [--steps=3]
         [--rate=GBIT_EQ] [--model=conv|mlp] [--communication=auto|ring] [--timed_steps=8]
-        [--nice_compute=0] [--trace_dir=DIR] [--out=FILE]
+        [--nice_compute=0] [--nobucket_priority] [--trace_dir=DIR] [--out=FILE]
 
 Two workers (each pinned to its own core with 1 intra-op thread) train
 bench_cluster's conv (or mlp) model under the multi_worker_mirrored preset with
@@ -21,6 +21,8 @@ measures bench_cluster's three figures on the same processes: the step
 (median of `--timed_steps`, not profiled), the compute-only step and the
 exchange alone, so hidden = (compute + exchange - step) / exchange is printed
 beside what the trace shows. Needs root, `ip`, `tc`, `nsenter`.
+`--nobucket_priority` leaves the backward pass in TensorFlow's own order (the
+preset's `bucket_priority=False`; tfdist.compat.backward_priority).
 `--nice_compute` lowers the priority of the workers' inter-op threads (TensorFlow
 names them `tf_Compute`) after start-up: a probe of whether the collectives lose
 the core to the backward pass.
@@ -62,6 +64,8 @@ def _define_flags() -> None:
     flags.DEFINE_enum("model", "conv", list(MODELS), "bench_cluster's model.")
     flags.DEFINE_enum("communication", "auto", ["auto", "ring"],
                       "multi_worker_mirrored's communication implementation.")
+    flags.DEFINE_bool("bucket_priority", True, "The preset's bucket_priority: each "
+                      "bucket's gradients before the backward pass moves on (with buckets).")
     flags.DEFINE_integer("nice_compute", 0, "Nice value (0-19) given to the workers' "
                          "inter-op threads (`tf_Compute`) after start-up, so the collectives' "
                          "and gRPC's threads win the worker's one core from the backward pass.")
@@ -191,6 +195,7 @@ def _worker(config: dict, out: str) -> None:
     options = {"communication": config.get("communication", "auto")}
     if config["bucket_bytes"]:
         options["bucket_bytes"] = config["bucket_bytes"]
+        options["bucket_priority"] = config.get("bucket_priority", True)
     strategy = tfdist.make_strategy("multi_worker_mirrored", join_timeout=300, **options)
     with strategy.scope():
         keras.utils.set_random_seed(0)
@@ -249,14 +254,16 @@ def _run_shaped(lab, config: dict, port: int) -> dict:
 
 def run(bucket_bytes: int, inter_op: list[int], steps: int, *, rate: float | None = None,
         model: str = "conv", communication: str = "auto", timed_steps: int = 8,
-        trace_dir: str | None = None, nice_compute: int = 0) -> dict:
+        trace_dir: str | None = None, nice_compute: int = 0,
+        bucket_priority: bool = True) -> dict:
     """{inter-op threads: worker 0's result} from one 2-worker run per count.
 
     A result holds "steps" (the per-step summaries) and, with `rate`, "step_ms",
     "compute_ms" and "exchange_alone_ms".
     """
     base = {"bucket_bytes": bucket_bytes, "steps": steps, "model": model,
-            "communication": communication, "nice_compute": nice_compute}
+            "communication": communication, "nice_compute": nice_compute,
+            "bucket_priority": bucket_priority}
     results = {}
 
     def traced(n):
@@ -290,10 +297,13 @@ def _hidden(result: dict) -> float | None:
 
 
 def report(results: dict, bucket_bytes: int, *, rate: float | None = None,
-           model: str = "conv", communication: str = "auto", nice_compute: int = 0) -> str:
+           model: str = "conv", communication: str = "auto", nice_compute: int = 0,
+           bucket_priority: bool = True) -> str:
     link = (f"link shaped to {rate:g} Gbit/s-eq ({rate * RATE_SCALE * 1e3:g} Mbit/s each way)"
             if rate else "loopback")
-    lines = [f"{model} model, 2 workers, {link}, bucket_bytes={bucket_bytes}, communication "
+    priority = "" if bucket_priority or not bucket_bytes else " (bucket_priority=False)"
+    lines = [f"{model} model, 2 workers, {link}, bucket_bytes={bucket_bytes}{priority}, "
+             "communication "
              f"{communication}, 1 intra-op thread, inter-op threads at nice {nice_compute}, "
              f"load average {os.getloadavg()[0]:.1f}", "",
              "| inter-op threads | backward pass (median) | optimizer collectives per step | "
@@ -329,9 +339,11 @@ def main(argv):
                                FLAGS.timed_steps, FLAGS.nice_compute)
     results = run(FLAGS.bucket_bytes, inter_op, FLAGS.steps, rate=FLAGS.rate, model=FLAGS.model,
                   communication=FLAGS.communication, timed_steps=FLAGS.timed_steps,
-                  trace_dir=FLAGS.trace_dir, nice_compute=FLAGS.nice_compute)
+                  trace_dir=FLAGS.trace_dir, nice_compute=FLAGS.nice_compute,
+                  bucket_priority=FLAGS.bucket_priority)
     print(report(results, FLAGS.bucket_bytes, rate=FLAGS.rate, model=FLAGS.model,
-                 communication=FLAGS.communication, nice_compute=FLAGS.nice_compute))
+                 communication=FLAGS.communication, nice_compute=FLAGS.nice_compute,
+                 bucket_priority=FLAGS.bucket_priority))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({str(k): v for k, v in results.items()}, f, indent=2)

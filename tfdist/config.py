@@ -197,6 +197,11 @@ _COMM_HELP = {
                     "launched as soon as its own "
                     "gradients exist so communication overlaps the backward pass (0: one "
                     "all-reduce of every gradient, as Keras does).",
+    "bucket_priority": "mirrored, multi_worker_mirrored with --bucket_bytes: true (default): "
+                       "a layer's weight gradients are computed before the backward pass "
+                       "moves on to the layers below, so each bucket's all-reduce starts "
+                       "sooner (control dependencies; values unchanged); false: TensorFlow's "
+                       "own order.",
 }
 
 # Presets that reduce gradients some other way than TensorFlow's collectives.
@@ -236,6 +241,12 @@ def _check_comm_options(options: Any, *, reducer_option: str) -> None:
                          "compress from the first step")
     bucket = options.bucket_bytes
     _check_count("bucket_bytes", bucket, "one all-reduce")
+    _check_bool("bucket_priority", options.bucket_priority)
+    if not options.bucket_priority and not bucket:
+        raise ValueError(
+            "bucket_priority=False only applies with bucket_bytes > 0 (it orders the backward "
+            "pass for the buckets' all-reduces). Received: bucket_priority=False, "
+            f"bucket_bytes={bucket}. Set bucket_bytes, or drop bucket_priority.")
     if compression == "none" and not bucket:
         return
     what = (f"gradient_compression={compression!r}" if compression != "none"
@@ -286,6 +297,10 @@ class _DataParallelOptions(PresetOptions):
       powersgd_warmup_steps: optimizer steps sent uncompressed first (default 100).
       bucket_bytes: all-reduce in buckets of at most this many bytes, last
         layers first (0: one all-reduce).
+      bucket_priority: with bucket_bytes, True (default) computes each
+        bucket's gradients before the backward pass moves on to the layers
+        below (tfdist.compat.backward_priority), so its all-reduce starts
+        sooner; False leaves the order to TensorFlow's executor.
     """
 
     sync_batch_norm: bool = dataclasses.field(default=False, metadata={
@@ -303,6 +318,7 @@ class _DataParallelOptions(PresetOptions):
     powersgd_rank: int | None = _comm_field("powersgd_rank", None)
     powersgd_warmup_steps: int | None = _comm_field("powersgd_warmup_steps", None)
     bucket_bytes: int = _comm_field("bucket_bytes", 0)
+    bucket_priority: bool = _comm_field("bucket_priority", True)
 
     def _check_data_parallel(self, *, reducer_option: str) -> None:
         """The shared options' checks; `reducer_option` names the preset's all-reduce choice."""
@@ -327,7 +343,7 @@ class MirroredOptions(_DataParallelOptions):
 
     And the shared data-parallel options (sync_batch_norm, shard, offload,
     shard_min_bytes, shard_remat, gradient_compression, powersgd_rank,
-    powersgd_warmup_steps, bucket_bytes): see `_DataParallelOptions`.
+    powersgd_warmup_steps, bucket_bytes, bucket_priority): see `_DataParallelOptions`.
     """
 
     preset: ClassVar[str] = "mirrored"

@@ -42,6 +42,10 @@ def test_compression_options_and_errors(preset):
          "powersgd_rank only applies with gradient_compression='powersgd'"),
         ({"powersgd_warmup_steps": 5}, "Add gradient_compression='powersgd'"),
         ({"bucket_bytes": -1}, "bucket_bytes must be an integer >= 0"),
+        ({"bucket_bytes": 1024, "bucket_priority": "yes"},
+         "bucket_priority must be True or False. Received: bucket_priority='yes'"),
+        ({"bucket_priority": False},
+         "bucket_priority=False only applies with bucket_bytes > 0"),
     ]
     reducer = ({"cross_device_ops": "reduction_to_one_device"} if preset == "mirrored"
                else {"communication": "nccl"})

@@ -31,6 +31,7 @@ def test_bad_arguments_name_what_was_received():
             ({"steps": 1}, r"--steps must be >= 2. Received: steps=1"),
             ({"bucket_bytes": 0}, r"--bucket_bytes must be >= 1. Received: bucket_bytes=0"),
             ({"digits_epochs": -1}, r"--digits_epochs must be >= 0.*Received: digits_epochs=-1"),
+            ({"inter_op": 0}, r"--inter_op must be >= 1. Received: inter_op=0"),
             ({"models": ["conv"], "digits_epochs": 3},
              r"--models must include mlp. Received: --models=conv --digits_epochs=3")):
         with pytest.raises(ValueError, match=message):

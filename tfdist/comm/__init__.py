@@ -43,6 +43,7 @@ def attach(strategy: Any, options: Any):
         rank=config_lib.powersgd_rank_of(options),  # both only used by powersgd
         warmup_steps=config_lib.powersgd_warmup_of(options),
         bucket_bytes=options.bucket_bytes,
+        bucket_priority=options.bucket_priority,
         bytes_per_pack=getattr(options, "bytes_per_pack", 0),
     )
     comm_collectives.install()

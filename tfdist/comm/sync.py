@@ -13,7 +13,9 @@ each replica, in place of Keras's single all-reduce:
   boundaries (`tfdist.comm.buckets`); each bucket is one collective whose
   only inputs are its own gradients, so it can start while the backward pass
   is still computing earlier layers (TensorFlow's executor runs an op as soon
-  as its inputs exist);
+  as its inputs exist); with `bucket_priority` (the default) each bucket's
+  gradient ops also run before the backward pass moves on to the layers below
+  (`tfdist.compat.backward_priority`), so that its inputs exist early;
 - "fp16"/"bf16": each gradient is cast to half precision before the
   all-reduce and back after (the sum is taken in half precision too, as in
   Horovod's `Compression.fp16`);
@@ -37,6 +39,7 @@ import numpy as np
 from tfdist._tf import import_tensorflow
 from tfdist.comm import buckets as buckets_lib
 from tfdist.comm import powersgd
+from tfdist.compat import backward_priority
 from tfdist.compat import comm_collectives as collectives
 from tfdist import sync as sync_lib
 from tfdist.compat import optimizer_update
@@ -57,10 +60,13 @@ class CommSync(sync_lib.GradientSync):
       bucket_bytes: dense gradients per collective, in bytes of the
         uncompressed gradients (0: one collective for all of them).
       bytes_per_pack: TensorFlow's packing inside each collective (0: one pack).
+      bucket_priority: with bucket_bytes, compute each bucket's gradients before
+        the backward pass moves on (tfdist.compat.backward_priority).
     """
 
     def __init__(self, *, strategy: Any, compression: str = "none", rank: int = 4,
-                 warmup_steps: int = 0, bucket_bytes: int = 0, bytes_per_pack: int = 0):
+                 warmup_steps: int = 0, bucket_bytes: int = 0, bytes_per_pack: int = 0,
+                 bucket_priority: bool = True):
         collectives.check_collectives(strategy)
         self.strategy = strategy
         self.compression = compression
@@ -68,6 +74,7 @@ class CommSync(sync_lib.GradientSync):
         self.warmup_steps = warmup_steps
         self.bucket_bytes = bucket_bytes
         self.bytes_per_pack = bytes_per_pack
+        self.bucket_priority = bucket_priority
         # optimizer -> {variable key: (error, q)}; weak: an optimizer's state goes with it.
         self._state_of: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         # optimizer -> {variable key: the variable's layer}, for cutting buckets at layers.
@@ -76,8 +83,10 @@ class CommSync(sync_lib.GradientSync):
     def __repr__(self) -> str:
         extra = (f", rank={self.rank}, warmup_steps={self.warmup_steps}"
                  if self.compression == "powersgd" else "")
+        priority = "" if self.bucket_priority or not self.bucket_bytes \
+            else ", bucket_priority=False"
         return (f"CommSync(compression={self.compression!r}{extra}, "
-                f"bucket_bytes={self.bucket_bytes})")
+                f"bucket_bytes={self.bucket_bytes}{priority})")
 
     # -- state ------------------------------------------------------------------------
 
@@ -158,8 +167,10 @@ class CommSync(sync_lib.GradientSync):
         if self.compression == "powersgd":
             # Buckets of whole variables: PowerSGD factorises each matrix.
             order = list(reversed(dense))
-            for bucket in self._layout([grads_and_vars[i][0] for i in order],
-                                       [layers[i] for i in order], split=False):
+            buckets = self._ordered(self._layout([grads_and_vars[i][0] for i in order],
+                                                 [layers[i] for i in order], split=False),
+                                    [grads_and_vars[i][0] for i in order])
+            for bucket in buckets:
                 indices = [order[segment.item] for segment in bucket]
                 grads = [grads_and_vars[i][0] for i in indices]
                 variables = [grads_and_vars[i][1] for i in indices]
@@ -200,8 +211,11 @@ class CommSync(sync_lib.GradientSync):
                     flat[i] = tf.reshape(sent[i], [-1])
                 return flat[i][segment.start:segment.stop]
 
-            for bucket in self._layout([grads[i] for i in order],
-                                       None if layers is None else [layers[i] for i in order]):
+            in_order = [grads[i] for i in order]
+            buckets = self._ordered(
+                self._layout(in_order, None if layers is None else [layers[i] for i in order]),
+                in_order)
+            for bucket in buckets:
                 for segment, r in zip(bucket, self._all_reduce(
                         [segment_tensor(segment) for segment in bucket])):
                     parts[order[segment.item]].append(r)
@@ -220,6 +234,15 @@ class CommSync(sync_lib.GradientSync):
             [g.shape.num_elements() if g.shape.is_fully_defined() else 0 for g in grads],
             self.bucket_bytes, layers=layers, bytes_per_element=[g.dtype.size for g in grads],
             split=split)
+
+    def _ordered(self, buckets: list, grads: list) -> list:
+        """`buckets` (of `grads`, in sending order), after making the backward pass compute
+        each bucket's gradients before it moves on (tfdist.compat.backward_priority), where
+        bucket_priority asks for it and there is more than one bucket."""
+        if self.bucket_priority and len(buckets) > 1:
+            backward_priority.prioritise(
+                [[grads[segment.item] for segment in bucket] for bucket in buckets])
+        return buckets
 
     def _all_reduce(self, tensors: list) -> list:
         """One collective per dtype among `tensors` (a pack is concatenated)."""
