@@ -9,10 +9,8 @@ import tfdist
 from tfdist.compat import backward_priority
 
 
-def _fit(monkeypatch, **options):
-    """Two epochs of the conv model; returns (its weights, edges added per traced call)."""
-    import keras
-
+def _count_edits(monkeypatch) -> list:
+    """The control inputs each call of backward_priority.prioritise adds, from now on."""
     added: list = []
     original = backward_priority.prioritise
 
@@ -21,6 +19,14 @@ def _fit(monkeypatch, **options):
         return added[-1]
 
     monkeypatch.setattr(backward_priority, "prioritise", counting)
+    return added
+
+
+def _fit(monkeypatch, **options):
+    """Two epochs of the conv model; returns (its weights, edges added per traced call)."""
+    import keras
+
+    added = _count_edits(monkeypatch)
     strategy = tfdist.make_strategy("mirrored", num_devices=2, **options)
     with strategy.scope():
         keras.utils.set_random_seed(5)
@@ -58,3 +64,103 @@ def test_one_bucket_is_not_ordered(monkeypatch):
     # Everything in one bucket: nothing can start earlier, so nothing is edited.
     _, added = _fit(monkeypatch, bucket_bytes=1 << 20)
     assert added == []
+
+
+def _same_with_and_without(monkeypatch, build_and_fit, ordered: bool = True):
+    """Runs `build_and_fit(strategy)` (returns the trained models) with bucket_priority on
+    and off; asserts control inputs were added (none if not `ordered`) and the weights
+    agree."""
+    import keras
+
+    added = _count_edits(monkeypatch)
+    runs = []
+    for priority in (True, False):
+        keras.utils.set_random_seed(11)
+        strategy = tfdist.make_strategy("mirrored", num_devices=2, bucket_bytes=2048,
+                                        bucket_priority=priority)
+        runs.append([w.numpy() for m in build_and_fit(strategy) for w in m.weights])
+    assert added and (sum(added) > 0) == ordered, added
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_kerashub_classifier_on_strings(monkeypatch, policy):
+    # keras.io's KerasHub getting-started pattern: task + preprocessor on raw strings. Under
+    # the guide's mixed_float16 policy, Keras's LossScaleOptimizer applies the gradients
+    # inside a tf.cond on whether they are all finite, so no bucket can start before the
+    # whole backward pass: there is nothing to order (no edits), and it trains the same.
+    import keras
+    import keras_hub
+
+    tf = tfdist.import_tensorflow()
+    vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie", "a"]
+    texts = tf.constant(["a good movie", "a bad movie", "good", "bad bad movie"] * 4)
+    labels = np.array([1, 0, 1, 0] * 4)
+
+    def build_and_fit(strategy):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            with strategy.scope():
+                tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocabulary)
+                preprocessor = keras_hub.models.BertPreprocessor(tokenizer, sequence_length=8)
+                backbone = keras_hub.models.BertBackbone(
+                    vocabulary_size=len(vocabulary), num_layers=2, num_heads=2, hidden_dim=16,
+                    intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+                model = keras_hub.models.BertClassifier(
+                    backbone=backbone, num_classes=2, preprocessor=preprocessor, dropout=0.0)
+            model.fit(texts, labels, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        return [model]
+
+    _same_with_and_without(monkeypatch, build_and_fit, ordered=policy == "float32")
+
+
+@pytest.mark.timeout(300)
+def test_two_optimizers_and_clipping_in_a_custom_train_step(monkeypatch):
+    # keras.io's GAN pattern (two tapes, two optimizers in one train_step), each update
+    # clipped by its global norm as custom loops do.
+    import keras
+
+    tf = tfdist.import_tensorflow()
+
+    class TwoPart(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder = keras.Sequential([keras.layers.Dense(32, activation="relu"),
+                                             keras.layers.Dense(16, activation="relu")])
+            self.head = keras.Sequential([keras.layers.Dense(32, activation="relu"),
+                                          keras.layers.Dense(1)])
+
+        def call(self, x):
+            return self.head(self.encoder(x))
+
+        def compile(self, first, second):
+            super().compile()
+            self.first, self.second = first, second
+
+        def train_step(self, data):
+            x, y = data
+            for optimizer, part in ((self.first, self.head), (self.second, self.encoder)):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(self(x) - y))
+                grads = tape.gradient(loss, part.trainable_weights)
+                grads, _ = tf.clip_by_global_norm(grads, 1.0)
+                optimizer.apply_gradients(zip(grads, part.trainable_weights))
+            return {"loss": loss}
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((32, 24)).astype("float32")
+    y = rng.standard_normal((32, 1)).astype("float32")
+
+    def build_and_fit(strategy):
+        with strategy.scope():
+            model = TwoPart()
+            model.build((None, 24))
+            model.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return [model]
+
+    _same_with_and_without(monkeypatch, build_and_fit)

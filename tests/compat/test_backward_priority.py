@@ -124,10 +124,23 @@ def test_a_sibling_that_feeds_the_weight_gradient_is_never_made_to_wait_for_it()
     assert seen["added"] >= 1  # the other reader of dy (the input gradient) does wait
 
 
-def test_a_cycle_is_what_the_ancestor_check_prevents(monkeypatch):
-    # Negative control for the test above: without the check the graph gets a cycle.
+def test_without_the_ancestor_check_the_last_check_takes_the_edits_back(monkeypatch, caplog):
+    # Negative control for the test above: without the ancestor check Exp would wait for
+    # Mul, a cycle; the topological sort at the end finds it, and the call's edits go.
     tf = tfdist.import_tensorflow()
-    monkeypatch.setattr(backward_priority, "_ancestors", lambda op, first_id: set())
+    monkeypatch.setattr(backward_priority._Ancestry, "among", lambda self, op, above: False)
+    monkeypatch.setattr(backward_priority, "_WARNED", False)
+    seen: dict = {}
+    assert np.isfinite(_exp_weighted_step(seen)(tf.ones((3,)))[0].numpy()).all()
+    assert seen["added"] == 0
+    assert "would close a cycle" in caplog.text
+
+
+def test_without_either_check_the_graph_has_a_cycle(monkeypatch):
+    # Negative control for both checks: the cycle is real.
+    tf = tfdist.import_tensorflow()
+    monkeypatch.setattr(backward_priority._Ancestry, "among", lambda self, op, above: False)
+    monkeypatch.setattr(backward_priority, "_acyclic", lambda graph: True)
     with pytest.raises(Exception, match="(?i)cycle"):
         _exp_weighted_step({})(tf.ones((3,)))
 
@@ -138,3 +151,31 @@ def test_eager_gradients_are_left_alone():
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(w * w)
     assert backward_priority.prioritise([[tape.gradient(loss, w)]]) == 0
+
+
+def test_a_gradient_clipped_by_the_global_norm_names_only_its_own_ops():
+    # A custom train_step clipping by the global norm scales each gradient by a factor
+    # computed from every gradient: walking back from one clipped gradient reaches them all
+    # a few ops further up. Only the nearest backward op is the gradient's own.
+    import keras
+
+    tf = tfdist.import_tensorflow()
+    model = _conv_model(keras)
+    seen: dict = {}
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        norm = tf.sqrt(tf.add_n([tf.reduce_sum(g * g) for g in grads]))
+        clipped = [g * tf.minimum(1.0, 0.1 / norm) for g in grads]
+        seen["own"] = [sorted(op.type for op in backward_priority.producers([g]))
+                       for g in clipped]
+        seen["all"] = len(backward_priority.producers(clipped))
+        return clipped
+
+    step(tf.zeros((2, 6, 6, 4)))
+    kinds = {("Conv2DBackpropFilter",), ("Reshape",), ("MatMul",), ("BiasAddGrad",)}
+    assert all(len(own) == 1 and tuple(own) in kinds for own in seen["own"]), seen["own"]
+    assert seen["all"] == len(model.trainable_variables)

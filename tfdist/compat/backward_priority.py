@@ -22,8 +22,9 @@ order of independent ops is constrained.
 
 Private touch points, checked by `supported()` and by
 tests/compat/test_backward_priority.py's canary:
-- `tf.Operation._add_control_input` (TensorFlow's own auto control
-  dependencies use it on function graphs before they are finalised);
+- `tf.Operation._add_control_input`, `_add_control_inputs` and
+  `_remove_all_control_inputs` (TensorFlow's own auto control dependencies
+  use them on function graphs before they are finalised);
 - backward ops are named under `gradient_tape/` (`_gradient_function` in
   tensorflow/python/eager/backprop.py); the tape's sums of several gradients
   of one tensor (`AddN`) are not, and are only walked through, never delayed.
@@ -31,8 +32,9 @@ tests/compat/test_backward_priority.py's canary:
 It only edits the graph tfdist's own `CommSync` is tracing, for strategies
 tfdist made with `bucket_bytes` and `bucket_priority=True` (the default); with
 `bucket_priority=False` nothing is edited. A control dependency that would
-close a cycle is never added, so the graph stays executable whatever the
-model.
+close a cycle is never added (an ancestor walk per gradient op, then a
+topological sort of the whole graph as a last check, which takes the call's
+edits back out), so the graph stays executable whatever the model.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ TAPE_SCOPE = "gradient_tape/"
 # them (Keras's scaling of the gradients, casts, identities in between).
 _MAX_HOPS = 8
 _WARNED = False
+# The tf.Operation methods the edits use (TensorFlow's own auto control dependencies do).
+_PRIVATE = ("_add_control_input", "_add_control_inputs", "_remove_all_control_inputs")
 
 
 def supported() -> bool:
@@ -52,7 +56,7 @@ def supported() -> bool:
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
-    return callable(getattr(tf.Operation, "_add_control_input", None))
+    return all(callable(getattr(tf.Operation, name, None)) for name in _PRIVATE)
 
 
 def _backward(op) -> bool:
@@ -60,38 +64,85 @@ def _backward(op) -> bool:
 
 
 def producers(tensors: Iterable) -> list:
-    """The backward ops (named under gradient_tape/) nearest to `tensors`, walking back
-    through at most _MAX_HOPS other ops (casts, Keras's scaling); [] in eager mode."""
+    """The backward ops (named under gradient_tape/) nearest to each of `tensors`: walking
+    back through other ops (Keras's scaling, casts, the tape's AddN of a shared weight's
+    gradients) at most _MAX_HOPS deep, and no deeper than the first level that has one, so
+    a gradient scaled by something computed from every gradient (a global norm a custom
+    train_step clips by) still names only its own; [] in eager mode."""
     found: dict = {}
-    frontier = [t.op for t in tensors if getattr(t, "graph", None) is not None
-                and hasattr(t, "op")]
-    seen: set = set()
-    for _ in range(_MAX_HOPS):
-        following = []
-        for op in frontier:
-            if op in seen:
-                continue
-            seen.add(op)
-            if _backward(op):
-                found[op] = None
-            else:
-                following.extend(t.op for t in op.inputs)
-        frontier = following
+    for tensor in tensors:
+        if getattr(tensor, "graph", None) is None or not hasattr(tensor, "op"):
+            continue
+        level, seen = [tensor.op], set()
+        for _ in range(_MAX_HOPS):
+            seen.update(level)
+            backward = [op for op in level if _backward(op)]
+            if backward:
+                found.update(dict.fromkeys(backward))
+                break
+            level = [t.op for op in level for t in op.inputs if t.op not in seen]
+            if not level:
+                break
     return list(found)
 
 
-def _ancestors(op, first_id: int) -> set:
-    """`op`'s ancestors through data and control edges, among ops made at or after
-    `first_id` (every op on a path out of a backward op is: see `prioritise`)."""
-    seen: set = set()
-    stack = [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen and parent._id >= first_id:  # pylint: disable=protected-access
-                seen.add(parent)
-                stack.append(parent)
-    return seen
+class _Ancestry:
+    """Who is an ancestor of whom among the ops made at or after `first_id`, through data
+    and control edges, as control inputs are added (`add`).
+
+    Each op's ancestors are a bitset (a Python int) over those ops, computed once in a
+    topological order; an added edge p -> e is applied when a query reaches e. Ops older
+    than `first_id` are left out: `prioritise` picks it so that no path out of a sibling
+    passes one.
+    """
+
+    def __init__(self, graph, first_id: int):
+        ops = [op for op in graph.get_operations()
+               if op._id >= first_id]  # pylint: disable=protected-access
+        self._bit = {op: 1 << i for i, op in enumerate(ops)}
+        parents = {op: [p for p in [t.op for t in op.inputs] + list(op.control_inputs)
+                        if p in self._bit] for op in ops}
+        readers: dict = {}
+        for op, ps in parents.items():
+            for parent in ps:
+                readers.setdefault(parent, []).append(op)
+        waiting = {op: len(ps) for op, ps in parents.items()}
+        ready = [op for op, n in waiting.items() if n == 0]
+        self._static: dict = {}
+        while ready:
+            op = ready.pop()
+            above = 0
+            for parent in parents[op]:
+                above |= self._static[parent] | self._bit[parent]
+            self._static[op] = above
+            for reader in readers.get(op, ()):
+                waiting[reader] -= 1
+                if waiting[reader] == 0:
+                    ready.append(reader)
+        self._added: list = []  # (producer, sibling)
+
+    def above(self, op) -> int:
+        """The bitset of `op`'s ancestors, the added edges included."""
+        found = self._static.get(op, 0)
+        pending = list(self._added)
+        while pending:
+            left = []
+            for producer, sibling in pending:
+                if sibling is op or found & self._bit[sibling]:
+                    found |= self._bit[producer] | self._static.get(producer, 0)
+                else:
+                    left.append((producer, sibling))
+            if len(left) == len(pending):
+                break
+            pending = left
+        return found
+
+    def among(self, candidate, above: int) -> bool:
+        """Whether `candidate` is in the bitset `above` (from `above()`)."""
+        return bool(above & self._bit.get(candidate, 0))
+
+    def add(self, producer, sibling) -> None:
+        self._added.append((producer, sibling))
 
 
 def _own_ops(producer) -> set:
@@ -111,53 +162,101 @@ def _own_ops(producer) -> set:
     return own
 
 
+def _acyclic(graph) -> bool:
+    """Whether `graph`'s ops, through data and control edges, have a topological order."""
+    ops = graph.get_operations()
+    waiting = {op: len(op.inputs) + len(op.control_inputs) for op in ops}
+    readers: dict = {}
+    for op in ops:
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            readers.setdefault(parent, []).append(op)
+    ready = [op for op, n in waiting.items() if n == 0]
+    done = 0
+    while ready:
+        op = ready.pop()
+        done += 1
+        for reader in readers.get(op, ()):
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+    return done == len(ops)
+
+
+def _warn(message: str) -> None:
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        logging.getLogger("tfdist").warning("bucket_priority: %s", message)
+
+
 def prioritise(buckets: list[list]) -> int:
     """Makes each bucket's gradient ops run before their siblings in the backward pass.
 
     A sibling is a backward op that reads a tensor the gradient's own ops
     (`_own_ops`) read, and is not one of them: the layer's input gradient,
     which the layers below wait for. It gets a control input on the bucket's
-    gradient ops, unless it is one of their ancestors (a cycle).
+    gradient ops, unless it is one of their ancestors (a cycle). The whole
+    graph is then checked for a cycle once more; if there is one, this call's
+    control inputs are taken back out and TensorFlow's order stays.
 
     Args:
       buckets: per bucket, in sending order, the gradient tensors it sends (graph
         tensors of the function being traced; eager tensors are left alone).
 
     Returns:
-      The number of control dependencies added.
+      The number of control dependencies added (0 when they were taken back).
     """
     if not supported():
-        global _WARNED
-        if not _WARNED:
-            _WARNED = True
-            logging.getLogger("tfdist").warning(
-                "bucket_priority: this TensorFlow has no tf.Operation._add_control_input, so "
-                "the backward pass keeps TensorFlow's own order (the buckets still work). "
-                "Pass bucket_priority=False to silence this.")
+        _warn("this TensorFlow lacks tf.Operation._add_control_input (or its siblings), so "
+              "the backward pass keeps TensorFlow's own order (the buckets still work). Pass "
+              "bucket_priority=False to silence this.")
         return 0
-    added = 0
-    first_id = None
-    for tensors in buckets:
-        made = producers(tensors)
-        if not made:
-            continue
-        if first_id is None:
-            # Every op on a path out of a backward op was made after that op, or is a
-            # backward op given a control input below: neither is older than the
-            # oldest backward op, so the cycle check need not look further back.
-            first_id = min(op._id for op in made[0].graph.get_operations()  # pylint: disable=protected-access
-                           if _backward(op))
+    made_by_bucket = [producers(tensors) for tensors in buckets]
+    made_all = [op for made in made_by_bucket for op in made]
+    if not made_all:
+        return 0
+    graph = made_all[0].graph
+    # The oldest op of the tapes these gradients come from (each replica's tape has its own
+    # name prefix): every op on a path out of one of their backward ops is newer, or is a
+    # backward op of theirs given a control input here, so the ancestor walks below need
+    # not look further back than it, or than the sibling they guard.
+    tapes = tuple({op.name.split(TAPE_SCOPE, 1)[0] + TAPE_SCOPE for op in made_all})
+    first_id = min(op._id for op in graph.get_operations()  # pylint: disable=protected-access
+                   if op.name.startswith(tapes))
+    plans = []
+    for made in made_by_bucket:
         chains = {producer: _own_ops(producer) for producer in made}
         own = set().union(*chains.values())
         for producer, chain in chains.items():
-            above = _ancestors(producer, first_id)
             read = {t.ref(): t for op in chain for t in op.inputs
                     if t.op not in chain and _backward(t.op)}
-            for tensor in read.values():
-                for sibling in tensor.consumers():
-                    if (sibling in own or sibling in above or not _backward(sibling)
-                            or producer in sibling.control_inputs):
-                        continue
-                    sibling._add_control_input(producer)  # pylint: disable=protected-access
-                    added += 1
+            siblings = list(dict.fromkeys(
+                sibling for tensor in read.values() for sibling in tensor.consumers()
+                if sibling not in own and _backward(sibling)
+                and producer not in sibling.control_inputs))
+            if siblings:
+                plans.append((producer, siblings))
+    if not plans:
+        return 0
+    ancestry = _Ancestry(graph, min([first_id] + [s._id for _, siblings in plans  # pylint: disable=protected-access
+                                                  for s in siblings]))
+    originals: dict = {}
+    added = 0
+    for producer, siblings in plans:
+        above = ancestry.above(producer)
+        for sibling in siblings:
+            if ancestry.among(sibling, above):
+                continue
+            originals.setdefault(sibling, list(sibling.control_inputs))
+            sibling._add_control_input(producer)  # pylint: disable=protected-access
+            ancestry.add(producer, sibling)
+            added += 1
+    if added and not _acyclic(graph):
+        for sibling, inputs in originals.items():
+            sibling._remove_all_control_inputs()  # pylint: disable=protected-access
+            sibling._add_control_inputs(inputs)  # pylint: disable=protected-access
+        _warn("ordering this model's backward pass for its buckets would close a cycle, so "
+              "it keeps TensorFlow's own order (the buckets still work). Please report the "
+              "model to tfdist.")
+        return 0
     return added
