@@ -52,7 +52,7 @@ _PRIVATE = ("_add_control_input", "_add_control_inputs", "_remove_all_control_in
 
 
 def supported() -> bool:
-    """Whether this TensorFlow has the private method the edits need."""
+    """Whether this TensorFlow has the private methods the edits need."""
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
@@ -100,25 +100,13 @@ class _Ancestry:
         ops = [op for op in graph.get_operations()
                if op._id >= first_id]  # pylint: disable=protected-access
         self._bit = {op: 1 << i for i, op in enumerate(ops)}
-        parents = {op: [p for p in [t.op for t in op.inputs] + list(op.control_inputs)
-                        if p in self._bit] for op in ops}
-        readers: dict = {}
-        for op, ps in parents.items():
-            for parent in ps:
-                readers.setdefault(parent, []).append(op)
-        waiting = {op: len(ps) for op, ps in parents.items()}
-        ready = [op for op, n in waiting.items() if n == 0]
+        parents = {op: [p for p in _parents(op) if p in self._bit] for op in ops}
         self._static: dict = {}
-        while ready:
-            op = ready.pop()
+        for op in _topological(parents):
             above = 0
             for parent in parents[op]:
                 above |= self._static[parent] | self._bit[parent]
             self._static[op] = above
-            for reader in readers.get(op, ()):
-                waiting[reader] -= 1
-                if waiting[reader] == 0:
-                    ready.append(reader)
         self._added: list = []  # (producer, sibling)
 
     def above(self, op) -> int:
@@ -162,24 +150,36 @@ def _own_ops(producer) -> set:
     return own
 
 
-def _acyclic(graph) -> bool:
-    """Whether `graph`'s ops, through data and control edges, have a topological order."""
-    ops = graph.get_operations()
-    waiting = {op: len(op.inputs) + len(op.control_inputs) for op in ops}
+def _parents(op) -> list:
+    """The ops `op` reads (data edges) and waits for (control edges)."""
+    return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def _topological(parents: dict) -> list:
+    """The ops (keys of `parents`: {op: its parents among them}) in an order where each
+    comes after its parents (Kahn's algorithm); shorter than `parents` if they have a
+    cycle."""
     readers: dict = {}
-    for op in ops:
-        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+    for op, ps in parents.items():
+        for parent in ps:
             readers.setdefault(parent, []).append(op)
+    waiting = {op: len(ps) for op, ps in parents.items()}
     ready = [op for op, n in waiting.items() if n == 0]
-    done = 0
+    order = []
     while ready:
         op = ready.pop()
-        done += 1
+        order.append(op)
         for reader in readers.get(op, ()):
             waiting[reader] -= 1
             if waiting[reader] == 0:
                 ready.append(reader)
-    return done == len(ops)
+    return order
+
+
+def _acyclic(graph) -> bool:
+    """Whether `graph`'s ops, through data and control edges, have a topological order."""
+    parents = {op: _parents(op) for op in graph.get_operations()}
+    return len(_topological(parents)) == len(parents)
 
 
 def _warn(message: str) -> None:
