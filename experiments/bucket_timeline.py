@@ -2,7 +2,8 @@
 
     python -m experiments.bucket_timeline [--bucket_bytes=16384] [--inter_op=1,2] [--steps=3]
         [--rate=GBIT_EQ] [--model=conv|mlp] [--communication=auto|ring] [--timed_steps=8]
-        [--nice_compute=0] [--nobucket_priority] [--trace_dir=DIR] [--out=FILE]
+        [--nice_compute=0] [--nobucket_priority] [--mixed_precision=mixed_float16]
+        [--nosums_before_loss_scale] [--trace_dir=DIR] [--out=FILE]
 
 Two workers (each pinned to its own core with 1 intra-op thread) train
 bench_cluster's conv (or mlp) model under the multi_worker_mirrored preset with
@@ -23,6 +24,10 @@ exchange alone, so hidden = (compute + exchange - step) / exchange is printed
 beside what the trace shows. Needs root, `ip`, `tc`, `nsenter`.
 `--nobucket_priority` leaves the backward pass in TensorFlow's own order (the
 preset's `bucket_priority=False`; tfdist.compat.backward_priority).
+`--mixed_precision=mixed_float16` trains under Keras's mixed_float16 policy
+(a LossScaleOptimizer), where tfdist sums the buckets before the loss scale's
+finite check (tfdist.compat.loss_scale); `--nosums_before_loss_scale` takes
+that fix out in the workers, so the sums run inside the update as in Keras.
 `--nice_compute` lowers the priority of the workers' inter-op threads (TensorFlow
 names them `tf_Compute`) after start-up: a probe of whether the collectives lose
 the core to the backward pass.
@@ -66,6 +71,11 @@ def _define_flags() -> None:
                       "multi_worker_mirrored's communication implementation.")
     flags.DEFINE_bool("bucket_priority", True, "The preset's bucket_priority: each "
                       "bucket's gradients before the backward pass moves on (with buckets).")
+    flags.DEFINE_enum("mixed_precision", "float32", ["float32", "mixed_float16"],
+                      "Keras dtype policy of the model (mixed_float16: a LossScaleOptimizer).")
+    flags.DEFINE_bool("sums_before_loss_scale", True, "Under mixed_float16: the buckets "
+                      "are summed before the loss scale's finite check (tfdist.compat."
+                      "loss_scale); false: the fix taken out, Keras's order.")
     flags.DEFINE_integer("nice_compute", 0, "Nice value (0-19) given to the workers' "
                          "inter-op threads (`tf_Compute`) after start-up, so the collectives' "
                          "and gRPC's threads win the worker's one core from the backward pass.")
@@ -197,6 +207,11 @@ def _worker(config: dict, out: str) -> None:
         options["bucket_bytes"] = config["bucket_bytes"]
         options["bucket_priority"] = config.get("bucket_priority", True)
     strategy = tfdist.make_strategy("multi_worker_mirrored", join_timeout=300, **options)
+    if not config.get("sums_before_loss_scale", True):
+        from tfdist.compat import _patch, loss_scale
+
+        _patch.uninstall([loss_scale.APPLY_FIX.name])
+    keras.mixed_precision.set_global_policy(config.get("mixed_precision", "float32"))
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model, ds, _, compile_kwargs = bench_cluster._model_and_data(
@@ -255,7 +270,8 @@ def _run_shaped(lab, config: dict, port: int) -> dict:
 def run(bucket_bytes: int, inter_op: list[int], steps: int, *, rate: float | None = None,
         model: str = "conv", communication: str = "auto", timed_steps: int = 8,
         trace_dir: str | None = None, nice_compute: int = 0,
-        bucket_priority: bool = True) -> dict:
+        bucket_priority: bool = True, mixed_precision: str = "float32",
+        sums_before_loss_scale: bool = True) -> dict:
     """{inter-op threads: worker 0's result} from one 2-worker run per count.
 
     A result holds "steps" (the per-step summaries) and, with `rate`, "step_ms",
@@ -263,7 +279,8 @@ def run(bucket_bytes: int, inter_op: list[int], steps: int, *, rate: float | Non
     """
     base = {"bucket_bytes": bucket_bytes, "steps": steps, "model": model,
             "communication": communication, "nice_compute": nice_compute,
-            "bucket_priority": bucket_priority}
+            "bucket_priority": bucket_priority, "mixed_precision": mixed_precision,
+            "sums_before_loss_scale": sums_before_loss_scale}
     results = {}
 
     def traced(n):
@@ -298,10 +315,14 @@ def _hidden(result: dict) -> float | None:
 
 def report(results: dict, bucket_bytes: int, *, rate: float | None = None,
            model: str = "conv", communication: str = "auto", nice_compute: int = 0,
-           bucket_priority: bool = True) -> str:
+           bucket_priority: bool = True, mixed_precision: str = "float32",
+           sums_before_loss_scale: bool = True) -> str:
     link = (f"link shaped to {rate:g} Gbit/s-eq ({rate * RATE_SCALE * 1e3:g} Mbit/s each way)"
             if rate else "loopback")
     priority = "" if bucket_priority or not bucket_bytes else " (bucket_priority=False)"
+    if mixed_precision != "float32":
+        priority += f", {mixed_precision}" + (
+            "" if sums_before_loss_scale else " (sums inside the loss scale's update)")
     lines = [f"{model} model, 2 workers, {link}, bucket_bytes={bucket_bytes}{priority}, "
              "communication "
              f"{communication}, 1 intra-op thread, inter-op threads at nice {nice_compute}, "
@@ -340,10 +361,12 @@ def main(argv):
     results = run(FLAGS.bucket_bytes, inter_op, FLAGS.steps, rate=FLAGS.rate, model=FLAGS.model,
                   communication=FLAGS.communication, timed_steps=FLAGS.timed_steps,
                   trace_dir=FLAGS.trace_dir, nice_compute=FLAGS.nice_compute,
-                  bucket_priority=FLAGS.bucket_priority)
+                  bucket_priority=FLAGS.bucket_priority, mixed_precision=FLAGS.mixed_precision,
+                  sums_before_loss_scale=FLAGS.sums_before_loss_scale)
     print(report(results, FLAGS.bucket_bytes, rate=FLAGS.rate, model=FLAGS.model,
                  communication=FLAGS.communication, nice_compute=FLAGS.nice_compute,
-                 bucket_priority=FLAGS.bucket_priority))
+                 bucket_priority=FLAGS.bucket_priority, mixed_precision=FLAGS.mixed_precision,
+                 sums_before_loss_scale=FLAGS.sums_before_loss_scale))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({str(k): v for k, v in results.items()}, f, indent=2)

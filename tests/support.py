@@ -146,6 +146,24 @@ def embedding_gated_model(vocab: int, length: int, features: int = 6, outputs: i
     return keras.Model([ids, extra], keras.layers.Dense(outputs)(Gated(8)(x)))
 
 
+def conv_model(input_shape=(8, 8, 4), filters: int = 8, layers: int = 3, outputs: int = 4,
+               seed: int | None = None) -> keras.Model:
+    """`layers` x Conv2D(filters, 3, same, relu), global average pooling, Dense(outputs).
+
+    Several buckets' worth of small layers (bench_cluster's conv model, shrunk); uncompiled;
+    with `seed`, the same initial weights each time. The head computes in float32, as the
+    mixed-precision guide asks.
+    """
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    inputs = keras.Input(input_shape)
+    x = inputs
+    for _ in range(layers):
+        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(outputs, dtype="float32")(x))
+
+
 def one_device():
     """The single-device reference strategy (the first CPU)."""
     import tensorflow as tf

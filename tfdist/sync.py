@@ -42,6 +42,12 @@ class GradientSync:
     #: clipping then stays).
     reduces_whole_gradients = True
 
+    #: A LossScaleOptimizer's update sums the (scaled) gradients with `reduce` before
+    #: it decides whether they are finite, instead of inside the update it may skip
+    #: (tfdist.compat.loss_scale): for syncs whose collectives can start during the
+    #: backward pass (buckets) and that keep no state a skipped step would corrupt.
+    reduces_before_loss_scale = False
+
     def reduce(self, optimizer: Any, grads_and_vars: GradsAndVars,
                keras_all_reduce: Callable[[GradsAndVars], GradsAndVars]) -> GradsAndVars:
         """The all-reduced (summed over replicas) gradients, duplicates summed.

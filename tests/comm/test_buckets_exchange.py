@@ -5,19 +5,10 @@ import numpy as np
 import pytest
 
 import tfdist
+from tests.support import conv_model
 from tfdist import planning
 from tfdist.comm import buckets
 from tfdist.compat import comm_collectives, optimizer_update
-
-
-def _conv_model(keras):
-    # bench_comm's conv model on smaller images: 4x Conv2D(32, 3), pooling, Dense(10).
-    inputs = keras.Input((8, 8, 16))
-    x = inputs
-    for _ in range(4):
-        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, keras.layers.Dense(10)(x))
 
 
 def _exchange(monkeypatch, bucket_bytes: int, forget_layers: bool = False):
@@ -36,7 +27,8 @@ def _exchange(monkeypatch, bucket_bytes: int, forget_layers: bool = False):
     strategy = tfdist.make_strategy("mirrored", num_devices=2, bucket_bytes=bucket_bytes)
     with strategy.scope():
         keras.utils.set_random_seed(3)
-        model = _conv_model(keras)
+        # bench_comm's conv model on smaller images
+        model = conv_model((8, 8, 16), filters=32, layers=4, outputs=10)
         model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
     if forget_layers:
         model.optimizer.build(model.trainable_variables)

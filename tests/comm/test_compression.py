@@ -141,6 +141,8 @@ def test_compression_matches_numpy_reference_on_mirrored():
     ({"gradient_compression": "powersgd", "powersgd_rank": 2, "powersgd_warmup_steps": 3,
       "bucket_bytes": 4096}, {"mixed_precision": "mixed_bfloat16", "steps_per_execution": 2}),
     ({"gradient_compression": "fp16"}, {"mixed_precision": "mixed_float16", "loss_scale": 1024}),
+    # Buckets summed before the loss scale's finite check (tfdist.compat.loss_scale).
+    ({"bucket_bytes": 2048}, {"mixed_precision": "mixed_float16"}),
 ])
 def test_two_workers_stay_bit_identical(tmp_path, preset_options, step_options):
     from tfdist import launch as launch_lib

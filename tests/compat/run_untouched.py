@@ -19,9 +19,10 @@ involved, the way users' own code does:
   `jit_compile=True` (fit, predict, the value Keras reports, save and
   `load_model`), a model with `train_step` and no `call` (its Adam built in the
   traced step), `add_loss` of a Loss object, a string input;
+- the same model under the mixed_float16 policy (a LossScaleOptimizer);
 - the same model under the user's own `tf.distribute.MirroredStrategy` on
   two logical CPUs, made after tfdist's strategy, and there the `add_loss`
-  model too;
+  model and the mixed_float16 one too;
 - the `fit` model and the user's MirroredStrategy model exported with
   `model.export` and `tf.saved_model.save`, and served.
 Every weight, optimizer variable, loss and metric value goes to FILE.npz;
@@ -219,6 +220,7 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
               callbacks=[keras.callbacks.BackupAndRestore(folder, save_freq=2)])
     _state("backup", model, optimizer, out)
 
+    mixed_float16(out, "mixed")
     patterns(out)
     if not user_mirrored:
         return
@@ -241,6 +243,32 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
     history = model.fit(_add_loss_data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     out["user_mirrored/add_loss/history"] = np.asarray(history.history["loss"])
     _state("user_mirrored/add_loss", model, model.optimizer, out)
+    mixed_float16(out, "user_mirrored/mixed", strategy)
+
+
+def mixed_float16(out: dict, prefix: str, strategy=None) -> None:
+    """The model under the mixed_float16 policy (Keras wraps the optimizer in a
+    LossScaleOptimizer; tfdist patches its apply and finite check), with `fit` and
+    `evaluate`, under `strategy` if given."""
+    import contextlib
+
+    import keras
+    import numpy as np
+
+    ids, x, y = _data()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = _model()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.5), "mse")
+        history = model.fit([ids, x], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        out[f"{prefix}/history"] = np.asarray(history.history["loss"])
+        out[f"{prefix}/evaluate"] = np.asarray(
+            model.evaluate([ids, x], y, batch_size=BATCH, verbose=0))
+        out[f"{prefix}/scale"] = np.asarray(model.optimizer.dynamic_scale.numpy())
+        _state(prefix, model, model.optimizer, out)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
 
 
 def _add_loss_model():

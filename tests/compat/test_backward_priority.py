@@ -5,17 +5,8 @@ import numpy as np
 import pytest
 
 import tfdist
+from tests.support import conv_model
 from tfdist.compat import backward_priority
-
-
-def _conv_model(keras):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6, 6, 4))
-    x = inputs
-    for _ in range(3):
-        x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
 def _gradients(model, prioritise: bool, seen: dict):
@@ -46,11 +37,9 @@ def _gradients(model, prioritise: bool, seen: dict):
 def test_canary_tensorflow_has_what_the_edits_need():
     # If this fails, TensorFlow changed a private touch point of
     # tfdist.compat.backward_priority (see its docstring).
-    import keras
-
     tf = tfdist.import_tensorflow()
     assert backward_priority.supported()
-    model = _conv_model(keras)
+    model = conv_model((6, 6, 4), outputs=3, seed=1)
     names: list = []
 
     @tf.function
@@ -68,10 +57,8 @@ def test_canary_tensorflow_has_what_the_edits_need():
 
 
 def test_input_gradients_wait_for_the_weight_gradients_and_values_do_not_change():
-    import keras
-
     tf = tfdist.import_tensorflow()
-    model = _conv_model(keras)
+    model = conv_model((6, 6, 4), outputs=3, seed=1)
     x = tf.constant(np.random.default_rng(0).standard_normal((4, 6, 6, 4)), tf.float32)
     plain_seen: dict = {}
     plain = [g.numpy() for g in _gradients(model, False, plain_seen)(x)]
@@ -157,10 +144,8 @@ def test_a_gradient_clipped_by_the_global_norm_names_only_its_own_ops():
     # A custom train_step clipping by the global norm scales each gradient by a factor
     # computed from every gradient: walking back from one clipped gradient reaches them all
     # a few ops further up. Only the nearest backward op is the gradient's own.
-    import keras
-
     tf = tfdist.import_tensorflow()
-    model = _conv_model(keras)
+    model = conv_model((6, 6, 4), outputs=3, seed=1)
     seen: dict = {}
 
     @tf.function

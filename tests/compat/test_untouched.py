@@ -1,8 +1,9 @@
 """tfdist changes nothing in a process that it was not asked to change.
 
 - After making the presets in a process, plain Keras code there (fit /
-  evaluate / predict, a custom GradientTape loop, saving and loading every
-  public way: `save`/`load_model` (.keras, .h5), `save_weights`/`load_weights`,
+  evaluate / predict, a custom GradientTape loop, a mixed_float16 model (Keras's
+  LossScaleOptimizer), saving and loading every public way:
+  `save`/`load_model` (.keras, .h5), `save_weights`/`load_weights`,
   `export`, ModelCheckpoint/CSVLogger/BackupAndRestore, `steps_per_execution`;
   a user's own MirroredStrategy made afterwards, SavedModels of both from
   `model.export` and `tf.saved_model.save`, served) gives results

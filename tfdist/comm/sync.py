@@ -88,6 +88,13 @@ class CommSync(sync_lib.GradientSync):
         return (f"CommSync(compression={self.compression!r}{extra}, "
                 f"bucket_bytes={self.bucket_bytes}{priority})")
 
+    @property
+    def reduces_before_loss_scale(self) -> bool:
+        """With buckets, a LossScaleOptimizer's gradients are summed before its finite check
+        (tfdist.compat.loss_scale), so the buckets can start during the backward pass;
+        not PowerSGD, whose error feedback would take in a skipped step's gradients."""
+        return bool(self.bucket_bytes) and self.compression != "powersgd"
+
     # -- state ------------------------------------------------------------------------
 
     def build_state(self, optimizer: Any, variables: list) -> None:

@@ -17,6 +17,24 @@ replicas with non-finite gradients over all replicas (one 4-byte collective,
 merge-free so it can run where Keras calls it) and answers for all of them.
 No upstream issue found (the wrong comment is in
 keras/src/optimizers/loss_scale_optimizer.py, `_tf_apply`).
+
+A second fix lets gradient buckets start during the backward pass under
+mixed_float16. The optimizer's update, and with it the all-reduce, runs inside
+the `cond` on whether every gradient is finite, so no bucket's collective can
+start before the whole backward pass has ended (Keras's comment above assumes
+the other order, which Keras 2's optimizer had: aggregate, then check). For
+strategies tfdist made whose GradientSync asks for it
+(`reduces_before_loss_scale`: `CommSync` with `bucket_bytes`, not PowerSGD),
+`_tf_apply` first sums the scaled gradients over replicas with the sync's own
+`reduce` (buckets, `bucket_priority`), then runs Keras's code on the sums,
+with the inner optimizer's update told they are summed already
+(`optimizer_update.gradients_reduced`). Every replica then checks the same
+sums, so the finite check needs no collective of its own, and a gradient that
+overflows on one replica makes the sum non-finite everywhere (Inf and NaN
+survive a sum). The sums are of the scaled gradients, as one device checks
+them; with `gradient_compression="fp16"` the loss scale then also keeps the
+half-precision sums in range (as Horovod and Apex send them). Dividing by the
+scale is linear, so the update is the same as before up to rounding.
 """
 
 from __future__ import annotations
@@ -48,15 +66,13 @@ def _make(original):
     from tfdist._tf import import_tensorflow
 
     tf = import_tensorflow()
-    from tfdist.compat import comm_collectives
+    from tfdist.compat import comm_collectives, optimizer_update
 
     def applies(self, grads):
         strategy = getattr(self, "_distribution_strategy", None)
-        return (strategy is not None and _owner.owns(strategy)
-                and strategy.num_replicas_in_sync > 1
-                and tf.distribute.get_replica_context() is not None
-                and not tf.executing_eagerly()
-                and comm_collectives.collective_ops(strategy) is not None)
+        return (_replicated(tf, strategy)
+                and comm_collectives.collective_ops(strategy) is not None
+                and not optimizer_update.reduced_already(self.inner_optimizer))
 
     @_patch.passthrough(original, applies)
     def check_finite(self, grads):
@@ -77,10 +93,84 @@ FIX = _patch.Fix(
 )
 
 
+def _replicated(tf, strategy) -> bool:
+    """A strategy tfdist made, with several replicas, while a replica traces its step."""
+    return (strategy is not None and _owner.owns(strategy)
+            and strategy.num_replicas_in_sync > 1
+            and tf.distribute.get_replica_context() is not None
+            and not tf.executing_eagerly())
+
+
+APPLY_ISSUE = ("keras/src/optimizers/loss_scale_optimizer.py _tf_apply: the all-reduce runs "
+               "inside the cond on finite gradients, after the whole backward pass (no upstream "
+               "issue found)")
+
+
+def _apply_target():
+    from tfdist._tf import import_tensorflow
+
+    import_tensorflow()
+    from keras.src.optimizers import loss_scale_optimizer
+
+    return loss_scale_optimizer.LossScaleOptimizer, "_tf_apply"
+
+
+def _apply_check(original) -> None:
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+    from keras.src.optimizers import loss_scale_optimizer
+
+    _patch.require_signature(original, "grads", "trainable_variables",
+                             what="LossScaleOptimizer._tf_apply")
+    _patch.require_attributes(loss_scale_optimizer.LossScaleOptimizer, "check_finite",
+                              "_stateful_handle_finite_grads",
+                              what="LossScaleOptimizer")
+    _patch.require_attributes(tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients",
+                              what="TFOptimizer")
+
+
+def _make_apply(original):
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    from keras.src import backend
+
+    from tfdist.compat import optimizer_update
+
+    def sync_of(self):
+        strategy = getattr(self, "_distribution_strategy", None)
+        if not _replicated(tf, strategy):
+            return None
+        sync = optimizer_update.gradient_sync(strategy, self.inner_optimizer)
+        return sync if getattr(sync, "reduces_before_loss_scale", False) else None
+
+    @_patch.passthrough(original, lambda self, *args, **kwargs: sync_of(self) is not None)
+    def _tf_apply(self, grads, trainable_variables=None):
+        inner = self.inner_optimizer
+        variables = [v.value if isinstance(v, backend.Variable) else v
+                     for v in (trainable_variables or self._trainable_variables)]
+        with tf.name_scope(self.name):  # the collectives named as in Keras's update
+            reduced = sync_of(self).reduce(inner, list(zip(grads, variables)),
+                                           inner._all_reduce_sum_gradients)
+        with optimizer_update.gradients_reduced(inner):
+            return original(self, [g for g, _ in reduced], trainable_variables)
+
+    return _tf_apply
+
+
+APPLY_FIX = _patch.Fix(
+    name="loss_scale.tf_apply",
+    issue=APPLY_ISSUE,
+    target=_apply_target,
+    check=_apply_check,
+    make=_make_apply,
+)
+
+
 def install() -> tuple[str, ...]:
-    """Makes dynamic loss scaling skip a step when any replica's gradients overflow.
+    """Makes dynamic loss scaling skip a step when any replica's gradients overflow, and
+    sum the gradients before its finite check where buckets can overlap the backward pass.
 
     Returns:
       The names of the fixes this call installed.
     """
-    return _patch.install_all((FIX,))
+    return _patch.install_all((FIX, APPLY_FIX))

@@ -66,6 +66,7 @@ accumulation. An optimizer first built inside a tf.function gets a clear error
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -131,6 +132,41 @@ def clips_after_reduce(optimizer: Any) -> bool:
     return sync is not None and sync.reduces_whole_gradients
 
 
+# Optimizer id -> how many of its applies are running on gradients already summed over
+# replicas (a LossScaleOptimizer's, tfdist.compat.loss_scale). A count, not a thread-local:
+# MirroredStrategy traces each replica in its own thread and Keras's merge_call runs the
+# update in another, and all of them are inside the LossScaleOptimizer's apply meanwhile.
+_reduced_already: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def gradients_reduced(optimizer: Any):
+    """Within the block, `optimizer`'s update step takes its gradients as already summed
+    over replicas (its GradientSync's `reduce` is skipped; clipping still runs)."""
+    with _lock:
+        _reduced_already[id(optimizer)] = _reduced_already.get(id(optimizer), 0) + 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _reduced_already[id(optimizer)] -= 1
+            if not _reduced_already[id(optimizer)]:
+                del _reduced_already[id(optimizer)]
+
+
+def reduced_already(optimizer: Any) -> bool:
+    """True inside `gradients_reduced(optimizer)`."""
+    with _lock:
+        return id(optimizer) in _reduced_already
+
+
+def _reduce(sync: GradientSync, optimizer: Any, grads_and_vars: list) -> list:
+    """`sync.reduce` of `grads_and_vars`, unless they are summed already (`gradients_reduced`)."""
+    if reduced_already(optimizer):
+        return list(grads_and_vars)
+    return list(sync.reduce(optimizer, grads_and_vars, optimizer._all_reduce_sum_gradients))
+
+
 def variable_key(optimizer: Any, variable: Any) -> str:
     """The key a Keras optimizer files `variable`'s state under (its private `_var_key`).
 
@@ -175,8 +211,7 @@ def _make(original):
         sync = gradient_sync(self._distribution_strategy, self)
         variables = [v.value if isinstance(v, backend.Variable) else v
                      for v in trainable_variables]
-        grads_and_vars = sync.reduce(self, list(zip(grads, variables)),
-                                     self._all_reduce_sum_gradients)
+        grads_and_vars = _reduce(sync, self, list(zip(grads, variables)))
         clip = _deferred_clip(self)
         if clip is not None:  # the clip_gradients fix let this replica's share through
             reduced = list(grads_and_vars)
@@ -387,8 +422,7 @@ def _make_accumulate(original):
                 "loop, under strategy.scope(): optimizer.build(model.trainable_variables). "
                 "(model.fit builds it itself.)")
         # 1. This micro-step's gradients, summed over replicas (identical on every replica).
-        reduced = [g for g, _ in sync.reduce(self, list(zip(grads, variables)),
-                                             self._all_reduce_sum_gradients)]
+        reduced = [g for g, _ in _reduce(sync, self, list(zip(grads, variables)))]
 
         # Keras's update branch, one device's arithmetic: (g + accumulated) / steps, clipped.
         # Computed in replica context at every micro-step (cheap next to the all-reduce) and
