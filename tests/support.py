@@ -164,6 +164,22 @@ def conv_model(input_shape=(8, 8, 4), filters: int = 8, layers: int = 3, outputs
     return keras.Model(inputs, keras.layers.Dense(outputs, dtype="float32")(x))
 
 
+def count_priority_edits(monkeypatch) -> list:
+    """The control inputs each call of `tfdist.compat.backward_priority.prioritise` adds
+    (one call per replica's traced step with several buckets), from now on."""
+    from tfdist.compat import backward_priority
+
+    added: list = []
+    original = backward_priority.prioritise
+
+    def counting(buckets):
+        added.append(original(buckets))
+        return added[-1]
+
+    monkeypatch.setattr(backward_priority, "prioritise", counting)
+    return added
+
+
 def one_device():
     """The single-device reference strategy (the first CPU)."""
     import tensorflow as tf

@@ -44,8 +44,10 @@ class GradientSync:
 
     #: A LossScaleOptimizer's update sums the (scaled) gradients with `reduce` before
     #: it decides whether they are finite, instead of inside the update it may skip
-    #: (tfdist.compat.loss_scale): for syncs whose collectives can start during the
-    #: backward pass (buckets) and that keep no state a skipped step would corrupt.
+    #: (tfdist.compat.loss_scale): for syncs whose `reduce` is a plain sum over
+    #: replicas that keeps no state a skipped step would corrupt. Off unless a sync
+    #: says so (a sync that leaves gradients local must not: each replica would then
+    #: decide alone).
     reduces_before_loss_scale = False
 
     def reduce(self, optimizer: Any, grads_and_vars: GradsAndVars,
@@ -64,7 +66,13 @@ class GradientSync:
         keras_apply(grads_and_vars, learning_rate)
 
 
-DEFAULT_SYNC = GradientSync()
+class _KerasSum(GradientSync):
+    """Keras's own all-reduce (a sum over replicas), duplicate sparse indices summed."""
+
+    reduces_before_loss_scale = True
+
+
+DEFAULT_SYNC = _KerasSum()
 
 
 def set_gradient_sync(strategy: Any, sync: GradientSync) -> None:

@@ -6,28 +6,14 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests.support import conv_model
-from tfdist.compat import backward_priority
-
-
-def _count_edits(monkeypatch) -> list:
-    """The control inputs each call of backward_priority.prioritise adds, from now on."""
-    added: list = []
-    original = backward_priority.prioritise
-
-    def counting(buckets):
-        added.append(original(buckets))
-        return added[-1]
-
-    monkeypatch.setattr(backward_priority, "prioritise", counting)
-    return added
+from tests.support import conv_model, count_priority_edits
 
 
 def _fit(monkeypatch, **options):
     """Two epochs of the conv model; returns (its weights, edges added per traced call)."""
     import keras
 
-    added = _count_edits(monkeypatch)
+    added = count_priority_edits(monkeypatch)
     strategy = tfdist.make_strategy("mirrored", num_devices=2, **options)
     with strategy.scope():
         model = conv_model(seed=5)
@@ -66,7 +52,7 @@ def _same_with_and_without(monkeypatch, build_and_fit):
     and off; asserts control inputs were added and the weights agree."""
     import keras
 
-    added = _count_edits(monkeypatch)
+    added = count_priority_edits(monkeypatch)
     runs = []
     for priority in (True, False):
         keras.utils.set_random_seed(11)

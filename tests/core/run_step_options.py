@@ -106,7 +106,7 @@ def main():
         except ValueError as e:
             out["jit_error"] = str(e)
         out["overflow_on_one_replica"] = overflow_on_one_replica()
-        _patch.uninstall(["loss_scale.check_finite"])
+        _patch.uninstall(["loss_scale.check_finite", "loss_scale.tf_apply"])
         out["overflow_on_one_replica_unpatched"] = overflow_on_one_replica()
         # Negative control: Keras's own multi-step loop, unpatched, fails here.
         _patch.uninstall(["keras_multi_step.make_function"])

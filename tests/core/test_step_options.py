@@ -25,7 +25,8 @@ def test_knobs_train_or_are_refused(preset):
             report["jit_error"])
         assert "Drop jit_compile" in report["jit_error"]
         # Dynamic loss scaling skips a step when any replica overflows (tfdist.compat.
-        # loss_scale); Keras alone applies it from replica 0's answer (canary).
+        # loss_scale: the summed gradients decide); Keras alone applies it from replica
+        # 0's answer (canary: both loss_scale fixes taken out).
         assert report["overflow_on_one_replica"] == {"finite": True, "scale": 16384.0}
         assert report["overflow_on_one_replica_unpatched"]["finite"] is False
         # keras-team/keras#19246 still fails without tfdist's fix (behavioural canary).

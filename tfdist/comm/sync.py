@@ -90,10 +90,10 @@ class CommSync(sync_lib.GradientSync):
 
     @property
     def reduces_before_loss_scale(self) -> bool:
-        """With buckets, a LossScaleOptimizer's gradients are summed before its finite check
-        (tfdist.compat.loss_scale), so the buckets can start during the backward pass;
-        not PowerSGD, whose error feedback would take in a skipped step's gradients."""
-        return bool(self.bucket_bytes) and self.compression != "powersgd"
+        """A LossScaleOptimizer's gradients are summed before its finite check
+        (tfdist.compat.loss_scale), so buckets can start during the backward pass; not
+        PowerSGD, whose error feedback would take in a skipped step's gradients."""
+        return self.compression != "powersgd"
 
     # -- state ------------------------------------------------------------------------
 

@@ -18,23 +18,27 @@ merge-free so it can run where Keras calls it) and answers for all of them.
 No upstream issue found (the wrong comment is in
 keras/src/optimizers/loss_scale_optimizer.py, `_tf_apply`).
 
-A second fix lets gradient buckets start during the backward pass under
-mixed_float16. The optimizer's update, and with it the all-reduce, runs inside
-the `cond` on whether every gradient is finite, so no bucket's collective can
-start before the whole backward pass has ended (Keras's comment above assumes
-the other order, which Keras 2's optimizer had: aggregate, then check). For
-strategies tfdist made whose GradientSync asks for it
-(`reduces_before_loss_scale`: `CommSync` with `bucket_bytes`, not PowerSGD),
-`_tf_apply` first sums the scaled gradients over replicas with the sync's own
-`reduce` (buckets, `bucket_priority`), then runs Keras's code on the sums,
-with the inner optimizer's update told they are summed already
-(`optimizer_update.gradients_reduced`). Every replica then checks the same
-sums, so the finite check needs no collective of its own, and a gradient that
-overflows on one replica makes the sum non-finite everywhere (Inf and NaN
-survive a sum). The sums are of the scaled gradients, as one device checks
-them; with `gradient_compression="fp16"` the loss scale then also keeps the
-half-precision sums in range (as Horovod and Apex send them). Dividing by the
-scale is linear, so the update is the same as before up to rounding.
+A second fix sums the gradients before the check, as Keras's comment above
+assumes (and as Keras 2's optimizer did: aggregate, then check). Keras 3 runs
+the optimizer's update, and with it the all-reduce, inside the `cond` on
+whether every gradient is finite, so no gradient bucket's collective can start
+before the whole backward pass has ended, and the check needs the collective
+above of its own. For strategies tfdist made (mirrored, multi_worker_mirrored)
+whose GradientSync asks for it (`reduces_before_loss_scale`: the default sync,
+`CommSync` except PowerSGD), `_tf_apply` first sums the scaled gradients over
+replicas with the sync's own `reduce` (buckets, `bucket_priority`), then runs
+Keras's code on the sums, with the inner optimizer's update told they are
+summed already (`optimizer_update.gradients_reduced`). Every replica then
+checks the same sums, so the finite check needs no collective of its own (one
+collective fewer per step), and a gradient that overflows on one replica makes
+the sum non-finite everywhere (Inf and NaN survive a sum). The first fix still
+decides for syncs that do not ask for it (ZeRO's sharded update, PowerSGD),
+and this one also fixes the overflow for `cross_device_ops` without TensorFlow's
+collectives (`reduction_to_one_device`, ...), where the first cannot apply. The
+sums are of the scaled gradients, as one device checks them; with
+`gradient_compression="fp16"` the loss scale then also keeps the half-precision
+sums in range (as Horovod and Apex send them). Dividing by the scale is linear,
+so the update is the same as before up to rounding.
 """
 
 from __future__ import annotations
@@ -136,12 +140,17 @@ def _make_apply(original):
 
     from tfdist.compat import optimizer_update
 
+    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+
     def sync_of(self):
         strategy = getattr(self, "_distribution_strategy", None)
         if not _replicated(tf, strategy):
             return None
         sync = optimizer_update.gradient_sync(strategy, self.inner_optimizer)
-        return sync if getattr(sync, "reduces_before_loss_scale", False) else None
+        if not (getattr(sync, "reduces_before_loss_scale", False)
+                and isinstance(strategy, mirrored)):  # not parameter servers
+            return None
+        return sync
 
     @_patch.passthrough(original, lambda self, *args, **kwargs: sync_of(self) is not None)
     def _tf_apply(self, grads, trainable_variables=None):
@@ -167,8 +176,8 @@ APPLY_FIX = _patch.Fix(
 
 
 def install() -> tuple[str, ...]:
-    """Makes dynamic loss scaling skip a step when any replica's gradients overflow, and
-    sum the gradients before its finite check where buckets can overlap the backward pass.
+    """Makes dynamic loss scaling skip a step when any replica's gradients overflow, deciding
+    on the gradients summed over replicas where the strategy's GradientSync allows it.
 
     Returns:
       The names of the fixes this call installed.
