@@ -15,6 +15,7 @@ import pytest
 
 import tfdist
 from tests.support import conv_model, count_priority_edits
+from tfdist import step_options
 from tfdist.comm.sync import CommSync
 from tfdist.compat import _patch, loss_scale
 from tfdist.numerics import replica_spread
@@ -22,15 +23,9 @@ from tfdist.numerics import replica_spread
 BUCKETS = {"bucket_bytes": 2048}
 
 
-@contextlib.contextmanager
 def _mixed_float16():
-    import keras
-
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        yield
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    """Models built inside use the mixed_float16 policy (the previous one comes back)."""
+    return step_options.dtype_policy(tfdist.StepOptions(mixed_precision="mixed_float16"))
 
 
 @contextlib.contextmanager
