@@ -22,8 +22,13 @@
      strategy.reduce of the loss);
    - control: N independent 1-worker processes at once, pinned as the
      workers are (task k on core k mod cores), so they share the cores as
-     the N workers do, with no links between them.
-   Efficiency = the control's step time / the variant's. Worker 0 alone
+     the N workers do, with no links between them;
+   - control_idle: the same, each process idling `--control_idle_ms` after
+     every step, as a linked worker waits for its peers: does idling itself
+     make the next step's compute dearer on this machine?
+   Efficiency = the control's step time / the variant's. Every process
+   also records its CPU per step by thread (experiments/thread_cpu.py), so a
+   worker's extra CPU can be placed. Worker 0 alone
    profiles a few more steps and counts its collectives per step, in order:
    TensorFlow 2.21's profiler can crash in tf.profiler.experimental.stop()
    when several processes profile at once, so no other process profiles (of
@@ -53,6 +58,7 @@ import tempfile
 import threading
 import time
 
+from experiments import thread_cpu
 from experiments.rows import print_rows, row as _row, write_rows
 from experiments.workers import ROOT, launch_workers
 from absl import app, flags
@@ -75,9 +81,11 @@ def _define_flags() -> None:
                       "and/or conv (the compute-bound model of the 2-worker rows).")
     flags.DEFINE_integer("rounds", None, "Interleaved rounds of the scaling curve; each "
                          "figure is the median (default 3, 1 with --quick).")
-    flags.DEFINE_list("variants", list(SCALING_VARIANTS),
+    flags.DEFINE_list("variants", list(DEFAULT_VARIANTS),
                       "Variants of the scaling curve: tfdist and any of "
                       + ", ".join(SCALING_VARIANTS[1:]) + " (efficiency is against control).")
+    flags.DEFINE_integer("control_idle_ms", 60, "control_idle's pause after every step, "
+                         "in ms (about what a linked worker waits for its peers).")
     flags.DEFINE_enum("input", "global", list(INPUTS),
                       "The scaling curve's input: " + "; ".join(
                           f"{k}: {v}" for k, v in INPUTS.items()) + ".")
@@ -153,7 +161,9 @@ INPUTS = {
                   "reads only its own",
 }
 INPUT_STEPS = (5, 20)  # batches timed by the input-only measurement (quick, full)
-SCALING_VARIANTS = ("tfdist", "tfdist_unpacked", "stock", "control")
+SCALING_VARIANTS = ("tfdist", "tfdist_unpacked", "stock", "control", "control_idle")
+CONTROLS = ("control", "control_idle")  # unlinked processes: baselines, no efficiency
+DEFAULT_VARIANTS = SCALING_VARIANTS[:4]  # control_idle is a diagnosis, asked for by name
 VARIANT_NOTES = {
     "tfdist": "tfdist multi_worker_mirrored preset, model.fit",
     "tfdist_unpacked": "the same with keras_log_reduction taken out (one collective per "
@@ -161,6 +171,8 @@ VARIANT_NOTES = {
     "stock": "stock tf.distribute.MultiWorkerMirroredStrategy, custom training loop "
              "(strategy.run + optimizer.apply_gradients + strategy.reduce of the loss)",
     "control": "N independent 1-worker processes at once (no links), pinned as the workers are",
+    "control_idle": "the control's processes, each idling after every step as a linked "
+                    "worker waits for its peers",
 }
 # Per model: examples per worker, steps per timed epoch (quick, full), the input shape.
 SCALING_MODELS = {
@@ -225,7 +237,8 @@ def _scaling_worker(config: dict, out: str) -> None:
     from experiments.bench_comm import _pin
 
     variant, name, quick = config["variant"], config["model"], config["quick"]
-    if variant == "control":  # a 1-worker process of its own (no TF_CONFIG)
+    idle = config.get("idle_ms", 0) / 1e3 if variant == "control_idle" else 0.0
+    if variant in CONTROLS:  # a 1-worker process of its own (no TF_CONFIG)
         task_id = int(os.environ["BENCH_CONTROL_INDEX"])
     else:
         tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
@@ -254,6 +267,7 @@ def _scaling_worker(config: dict, out: str) -> None:
         model = _scaling_model(keras, name)
         optimizer = keras.optimizers.SGD(0.01)
     seconds, cpu = [], []
+    threads = {}  # the timed steps' CPU by thread name, ms per step
     step_durations = []  # per timed epoch, each step's seconds (fit only)
     profile_dir = os.path.join(os.path.dirname(out), f"profile-{variant}-{workers}")
     # One process profiles (worker 0; of the control's processes the first): with
@@ -283,11 +297,13 @@ def _scaling_worker(config: dict, out: str) -> None:
             return float(loss)
 
         run_steps(steps)  # traces, warms up
+        before = thread_cpu.snapshot()
         for _ in range(epochs - 1):
             start, start_cpu = time.perf_counter(), time.process_time()
             run_steps(steps)
             seconds.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
+        threads = thread_cpu.per_step_ms(before, thread_cpu.snapshot(), steps * (epochs - 1))
         if profiles:
             tf.profiler.experimental.start(profile_dir)
         run_steps(PROFILE_STEPS)
@@ -301,10 +317,14 @@ def _scaling_worker(config: dict, out: str) -> None:
 
         class Timer(keras.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):
+                if epoch == 1:  # epoch 0 traces
+                    self.threads = thread_cpu.snapshot()
                 self.start, self.start_cpu = time.perf_counter(), time.process_time()
                 self.last, self.durations = self.start, []
 
             def on_train_batch_end(self, batch, logs=None):
+                if idle:  # control_idle: a linked worker's wait, as a pause
+                    time.sleep(idle)
                 now = time.perf_counter()
                 self.durations.append(now - self.last)
                 self.last = now
@@ -314,6 +334,9 @@ def _scaling_worker(config: dict, out: str) -> None:
                     seconds.append(time.perf_counter() - self.start)
                     cpu.append(time.process_time() - self.start_cpu)
                     step_durations.append(self.durations)
+                if epoch == epochs - 1:
+                    threads.update(thread_cpu.per_step_ms(
+                        self.threads, thread_cpu.snapshot(), steps * (epochs - 1)))
 
         class Profile(keras.callbacks.Callback):
             # Whole steps only (the second to the last): no tracing, no epoch end.
@@ -345,7 +368,8 @@ def _scaling_worker(config: dict, out: str) -> None:
               "step_seconds": step_seconds, "samples_per_sec": global_batch / step_seconds,
               "input_seconds_per_step": input_seconds, "input": config.get("input", "global"),
               "cpu_seconds_per_step": statistics.median(cpu) / steps,
-              "threads": len(os.listdir("/proc/self/task")),
+              "threads": len(os.listdir("/proc/self/task")), "cpu_ms_by_thread": threads,
+              "idle_ms": idle * 1e3,
               "step_durations": step_durations,
               "gradient_bytes": 4 * sum(int(np.prod(w.shape))
                                         for w in model.trainable_weights)}
@@ -395,13 +419,13 @@ def _launch_role(role: str, num_workers: int, quick: bool) -> dict:
 
 
 def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool,
-                    input_mode: str = "global") -> dict:
+                    input_mode: str = "global", idle_ms: int = 0) -> dict:
     """One point of the scaling curve: worker 0's result ({"step_seconds", ...}, with its
-    collectives), every task's under "tasks" (task order) and "step_seconds" the tasks'
-    mean step."""
+    collectives), every task's under "tasks" (task order), "step_seconds" the tasks'
+    mean step and "cpu_ms_by_thread" their mean CPU per step by thread name."""
     config = json.dumps({"model": model, "variant": variant, "quick": quick,
-                         "input": input_mode})
-    if variant != "control":
+                         "input": input_mode, "idle_ms": idle_ms})
+    if variant not in CONTROLS:
         first = launch_workers("experiments.bench_multiworker", "scaling",
                                num_workers=num_workers, timeout=SCALING_TIMEOUT,
                                what=f"scaling {model} {variant} x{num_workers}",
@@ -418,6 +442,8 @@ def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool,
     first["worker0_step_seconds"] = first["step_seconds"]
     first["step_seconds"] = statistics.mean(r["step_seconds"] for r in results)
     first["cpu_seconds_per_step"] = statistics.mean(r["cpu_seconds_per_step"] for r in results)
+    first["cpu_ms_by_thread"] = thread_cpu.mean_by_name(
+        [r.get("cpu_ms_by_thread") or {} for r in results])
     first["input_seconds_per_step"] = statistics.mean(r["input_seconds_per_step"]
                                                       for r in results)
     first["samples_per_sec"] = sum(SCALING_MODELS[model]["per_worker_batch"] / r["step_seconds"]
@@ -496,9 +522,10 @@ def _run_control(config: str, num_workers: int) -> list[dict]:
 
 
 def scaling_curve(models: list[str], workers: list[int], *, rounds: int, quick: bool,
-                  variants: tuple[str, ...] = SCALING_VARIANTS, input_mode: str = "global",
-                  log=print, progress=None) -> dict:
-    """{model: {variant: {N: [result per round]}}}, every configuration once per round.
+                  variants: tuple[str, ...] = DEFAULT_VARIANTS, input_mode: str = "global",
+                  idle_ms: int = 0, log=print, progress=None) -> dict:
+    """{model: {variant: {N: [result per round]}}}, every configuration once per round
+    (control_idle's processes idle `idle_ms` after every step).
 
     `progress(curve)` runs after each configuration, with the curve so far (e.g. to
     save it, so a run cut short keeps what it measured).
@@ -514,7 +541,7 @@ def scaling_curve(models: list[str], workers: list[int], *, rounds: int, quick: 
                 chosen = [v for v in variants if n > 1 or v in ("tfdist", "stock")]
                 k = r % len(chosen)
                 for variant in chosen[k:] + chosen[:k]:
-                    result = _launch_scaling(model, variant, n, quick, input_mode)
+                    result = _launch_scaling(model, variant, n, quick, input_mode, idle_ms)
                     curve[model][variant][n].append(result)
                     log(f"scaling round {r + 1}/{rounds} {model} N={n} {variant}: "
                         f"{result['step_seconds'] * 1e3:.1f} ms/step, input "
@@ -555,21 +582,25 @@ def scaling_table(curve: dict) -> dict:
         table[model] = {}
         for n in counts:
             med = {v: _median_result(variants[v][n]) for v in variants if variants[v][n]}
+            linked = {v: r for v, r in med.items() if v not in CONTROLS}
             control = med["control"]["step_seconds"] if "control" in med else one
             bound = med["control"].get("synchronous_bound_seconds") if "control" in med else None
             table[model][n] = {
                 "step_ms": {v: r["step_seconds"] * 1e3 for v, r in med.items()},
                 "control_ms": control * 1e3,
-                "efficiency": {v: control / r["step_seconds"] for v, r in med.items()
-                               if v != "control"},
+                "efficiency": {v: control / r["step_seconds"] for v, r in linked.items()},
                 # The control's steps taken in lockstep (the slowest process's each step):
                 # what synchronous training costs with free links.
                 "synchronous_bound_ms": None if bound is None else bound * 1e3,
                 "efficiency_vs_bound": {} if bound is None else {
-                    v: bound / r["step_seconds"] for v, r in med.items() if v != "control"},
-                "vs_1": {v: ones[v] / r["step_seconds"] for v, r in med.items()
-                         if v != "control"},
+                    v: bound / r["step_seconds"] for v, r in linked.items()},
+                "vs_1": {v: ones[v] / r["step_seconds"] for v, r in linked.items()},
                 "cpu_ms": {v: r["cpu_seconds_per_step"] * 1e3 for v, r in med.items()},
+                # The processes' mean CPU per step by thread name (experiments/thread_cpu).
+                "cpu_ms_by_thread": {v: r.get("cpu_ms_by_thread") or {}
+                                     for v, r in med.items()},
+                "idle_ms": med["control_idle"].get("idle_ms", 0.0)
+                if "control_idle" in med else 0.0,
                 "input_ms": {v: r["input_seconds_per_step"] * 1e3 for v, r in med.items()},
                 "input": med["tfdist"].get("input", "global"),
                 "collectives": {v: (r["collectives_per_step"], r["collective_order"],
@@ -614,8 +645,31 @@ def scaling_rows(table: dict) -> list[dict]:
                     f"{t['threads'][variant]} threads; input pipeline alone "
                     f"{t['input_ms'][variant]:.2f} ms per step per worker (control "
                     f"{t['input_ms'].get('control', t['input_ms'][variant]):.2f}; input "
-                    f"{t['input']}: {INPUTS[t['input']]}); " + _baseline_note(model, n)))
+                    f"{t['input']}: {INPUTS[t['input']]}); " + _cpu_note(t, variant)
+                    + _baseline_note(model, n)))
+            if "control_idle" in t["cpu_ms"] and "control" in t["cpu_ms"]:
+                rows.append(_row(
+                    f"scaling_{model}_{n}workers_control_idle_cpu",
+                    t["cpu_ms"]["control_idle"] / t["cpu_ms"]["control"], "x",
+                    f"{VARIANT_NOTES['control_idle']} ({t['idle_ms']:.0f} ms after every "
+                    f"step): CPU per step {t['cpu_ms']['control_idle']:.2f} ms vs the "
+                    f"control's {t['cpu_ms']['control']:.2f} ms (above 1: idling makes the "
+                    "next step's compute dearer on this machine, and a linked worker that "
+                    "waits pays it too); " + _cpu_note(t, "control_idle")
+                    + _baseline_note(model, n)))
     return rows
+
+
+def _cpu_note(t: dict, variant: str) -> str:
+    """CPU per step by thread of a variant and of the control, for a row's note."""
+    by_thread = t.get("cpu_ms_by_thread", {})
+    if not by_thread.get(variant):
+        return ""
+    note = (f"CPU per step {t['cpu_ms'][variant]:.2f} ms by thread (mean of the processes): "
+            + thread_cpu.describe(by_thread[variant]))
+    if variant != "control" and by_thread.get("control"):
+        note += f"; the control's {thread_cpu.describe(by_thread['control'])}"
+    return note + "; "
 
 
 def _bound_note(t: dict, variant: str) -> str:
@@ -626,8 +680,8 @@ def _bound_note(t: dict, variant: str) -> str:
 
 
 def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
-                  variants: tuple[str, ...] = SCALING_VARIANTS,
-                  input_mode: str = "global",
+                  variants: tuple[str, ...] = DEFAULT_VARIANTS,
+                  input_mode: str = "global", idle_ms: int = 60,
                   progress=None) -> tuple[list[dict], dict, dict]:
     """The scaling curve's rows, the curve, and its table (see scaling_table)."""
     workers = check_worker_counts(workers or ((1, 2) if quick else (1, 2, 4, 8)))
@@ -643,8 +697,14 @@ def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
     if "tfdist" not in variants or set(variants) - set(SCALING_VARIANTS):
         raise ValueError("--variants must name tfdist and any of "
                          f"{', '.join(SCALING_VARIANTS[1:])}. Received: {','.join(variants)!r}")
+    if "control_idle" in variants and "control" not in variants:
+        raise ValueError("--variants: control_idle is measured against control; name both "
+                         f"(e.g. tfdist,control,control_idle). Received: {','.join(variants)!r}")
+    if "control_idle" in variants and idle_ms < 1:
+        raise ValueError("--control_idle_ms must be at least 1 with control_idle. "
+                         f"Received: {idle_ms}")
     curve = scaling_curve(list(models), workers, rounds=rounds, quick=quick, variants=variants,
-                          input_mode=input_mode, progress=progress)
+                          input_mode=input_mode, idle_ms=idle_ms, progress=progress)
     table = scaling_table(curve)
     return scaling_rows(table), curve, table
 
@@ -778,11 +838,11 @@ def run(quick: bool) -> list[dict]:
 
 
 def _scaling_only(quick: bool, models: list[str], workers, rounds,
-                  input_mode: str = "global", variants=SCALING_VARIANTS,
+                  input_mode: str = "global", variants=DEFAULT_VARIANTS, idle_ms: int = 60,
                   progress=None) -> tuple[list[dict], dict]:
     rows, curve, table = _scaling_part(quick, models=models, workers=workers, rounds=rounds,
                                        input_mode=input_mode, variants=tuple(variants),
-                                       progress=progress)
+                                       idle_ms=idle_ms, progress=progress)
     if "conv" in curve and 2 in curve["conv"]["tfdist"]:
         rows += two_vs_one_rows(curve)
     return rows, table
@@ -821,6 +881,14 @@ def format_table(table: dict) -> str:
                 lines.append(f"N={n} {v}: worker 0, {count:.1f} collectives/step: "
                              + (", ".join(order) or "none"))
         lines.append("")
+        for n, t in by_n.items():
+            for v, by_thread in t.get("cpu_ms_by_thread", {}).items():
+                if by_thread:
+                    idle = f" (idling {t['idle_ms']:.0f} ms a step)" if v == "control_idle" \
+                        else ""
+                    lines.append(f"N={n} {v}{idle}: CPU {t['cpu_ms'][v]:.2f} ms per step: "
+                                 + thread_cpu.describe(by_thread))
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -845,7 +913,8 @@ def main(argv):
 
         try:
             rows, table = _scaling_only(FLAGS.quick, FLAGS.models, FLAGS.workers, FLAGS.rounds,
-                                        FLAGS.input, FLAGS.variants, progress=save_so_far)
+                                        FLAGS.input, FLAGS.variants, FLAGS.control_idle_ms,
+                                        progress=save_so_far)
         except RuntimeError as e:  # a launch failed or was stopped (SIGTERM, a timeout)
             where = (f"The configurations measured before it are in {FLAGS.out} "
                      '("partial": true).' if saved else "No configuration had finished.")

@@ -64,6 +64,13 @@ def test_scaling_curve_rows_at_1_and_2_workers(tmp_path):
     assert sorted(two["efficiency_vs_bound"]) == ["stock", "tfdist", "tfdist_unpacked"]
     assert "control's steps in lockstep" in rows["scaling_tiny_2workers_tfdist_efficiency"]["note"]
     assert table["1"]["synchronous_bound_ms"] is None  # no control at N = 1
+    # Every process recorded its CPU per step by thread: the tfdist worker's collective and
+    # gRPC threads are among them; the sums are the process's CPU (10 ms ticks, so loosely).
+    by_thread = two["cpu_ms_by_thread"]
+    assert sorted(by_thread) == ["control", "stock", "tfdist", "tfdist_unpacked"]
+    assert all(by_thread.values()), by_thread
+    assert "N=2 tfdist: CPU" in log and "CPU per step" in \
+        rows["scaling_tiny_2workers_tfdist_efficiency"]["note"]
 
 
 @pytest.mark.slow
@@ -158,11 +165,20 @@ def test_bad_worker_counts_and_models_name_what_was_received():
                                          r"Received: 'resnet'"):
         bench._scaling_part(True, models=("resnet",), workers=["1", "2"])
     with pytest.raises(ValueError, match=r"--variants must name tfdist and any of "
-                                         r"tfdist_unpacked, stock, control. Received: "
+                                         r"tfdist_unpacked, stock, control, control_idle. "
+                                         r"Received: "
                                          r"'stock,control'"):
         bench._scaling_part(True, models=("tiny",), workers=["1"], variants=("stock", "control"))
     with pytest.raises(ValueError, match=r"--variants .*Received: 'tfdist,horovod'"):
         bench._scaling_part(True, models=("tiny",), workers=["1"], variants=("tfdist", "horovod"))
+    with pytest.raises(ValueError, match=r"control_idle is measured against control; name "
+                                         r"both .*Received: 'tfdist,control_idle'"):
+        bench._scaling_part(True, models=("tiny",), workers=["1"],
+                            variants=("tfdist", "control_idle"))
+    with pytest.raises(ValueError, match=r"--control_idle_ms must be at least 1 with "
+                                         r"control_idle. Received: 0"):
+        bench._scaling_part(True, models=("tiny",), workers=["1"], idle_ms=0,
+                            variants=("tfdist", "control", "control_idle"))
     with pytest.raises(ValueError, match=r"--rounds must be at least 1. Received: 0"):
         bench._scaling_part(True, models=("tiny",), workers=["1"], rounds=0)
     result = subprocess.run(
@@ -172,3 +188,30 @@ def test_bad_worker_counts_and_models_name_what_was_received():
     assert result.returncode != 0
     assert "--workers must be positive integers" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_control_idle_pauses_after_every_step_and_is_no_efficiency(tmp_path):
+    """control_idle: the control's processes, each pausing after every step. Its step holds
+    the pause (a sleep, so at least that long), it gets a CPU row against the control and no
+    efficiency (it is a baseline, not a way to train)."""
+    out = tmp_path / "rows.json"
+    code, log, left = run_in_own_session(
+        "-m", "experiments.bench_multiworker", "--scaling_only", "--models=tiny",
+        "--workers=1,2", "--rounds=1", "--quick", "--variants=tfdist,control,control_idle",
+        "--control_idle_ms=25", f"--out={out}", timeout=240)
+    assert code == 0, log[-4000:]
+    assert not left, "processes of the run outlived it"
+    report = json.loads(out.read_text())
+    two = report["scaling"]["tiny"]["2"]
+    assert sorted(two["efficiency"]) == ["tfdist"]  # neither control is a variant to rate
+    assert two["idle_ms"] == 25.0
+    assert two["step_ms"]["control_idle"] >= two["step_ms"]["control"] + 25.0
+    assert two["step_ms"]["control"] < 25.0  # the plain control does not pause
+    rows = {r["name"]: r for r in report["rows"]}
+    idle_row = rows["scaling_tiny_2workers_control_idle_cpu"]
+    assert idle_row["value"] == pytest.approx(
+        two["cpu_ms"]["control_idle"] / two["cpu_ms"]["control"])
+    assert "25 ms after every step" in idle_row["note"]
+    assert "N=2 control_idle (idling 25 ms a step): CPU" in log
