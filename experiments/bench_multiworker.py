@@ -267,7 +267,7 @@ def _scaling_worker(config: dict, out: str) -> None:
         model = _scaling_model(keras, name)
         optimizer = keras.optimizers.SGD(0.01)
     seconds, cpu = [], []
-    threads = {}  # the timed steps' CPU by thread name, ms per step
+    threads, preempted = {}, {}  # the timed steps' CPU (ms) and preemptions per step by thread
     step_durations = []  # per timed epoch, each step's seconds (fit only)
     profile_dir = os.path.join(os.path.dirname(out), f"profile-{variant}-{workers}")
     # One process profiles (worker 0; of the control's processes the first): with
@@ -303,7 +303,9 @@ def _scaling_worker(config: dict, out: str) -> None:
             run_steps(steps)
             seconds.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-        threads = thread_cpu.per_step_ms(before, thread_cpu.snapshot(), steps * (epochs - 1))
+        after = thread_cpu.snapshot()
+        threads = thread_cpu.per_step_ms(before, after, steps * (epochs - 1))
+        preempted = thread_cpu.per_step_preempted(before, after, steps * (epochs - 1))
         if profiles:
             tf.profiler.experimental.start(profile_dir)
         run_steps(PROFILE_STEPS)
@@ -335,8 +337,10 @@ def _scaling_worker(config: dict, out: str) -> None:
                     cpu.append(time.process_time() - self.start_cpu)
                     step_durations.append(self.durations)
                 if epoch == epochs - 1:
-                    threads.update(thread_cpu.per_step_ms(
-                        self.threads, thread_cpu.snapshot(), steps * (epochs - 1)))
+                    after = thread_cpu.snapshot()
+                    timed = steps * (epochs - 1)
+                    threads.update(thread_cpu.per_step_ms(self.threads, after, timed))
+                    preempted.update(thread_cpu.per_step_preempted(self.threads, after, timed))
 
         class Profile(keras.callbacks.Callback):
             # Whole steps only (the second to the last): no tracing, no epoch end.
@@ -369,6 +373,7 @@ def _scaling_worker(config: dict, out: str) -> None:
               "input_seconds_per_step": input_seconds, "input": config.get("input", "global"),
               "cpu_seconds_per_step": statistics.median(cpu) / steps,
               "threads": len(os.listdir("/proc/self/task")), "cpu_ms_by_thread": threads,
+              "preempted_by_thread": preempted,
               "idle_ms": idle * 1e3,
               "step_durations": step_durations,
               "gradient_bytes": 4 * sum(int(np.prod(w.shape))
@@ -442,8 +447,8 @@ def _launch_scaling(model: str, variant: str, num_workers: int, quick: bool,
     first["worker0_step_seconds"] = first["step_seconds"]
     first["step_seconds"] = statistics.mean(r["step_seconds"] for r in results)
     first["cpu_seconds_per_step"] = statistics.mean(r["cpu_seconds_per_step"] for r in results)
-    first["cpu_ms_by_thread"] = thread_cpu.mean_by_name(
-        [r.get("cpu_ms_by_thread") or {} for r in results])
+    for key in ("cpu_ms_by_thread", "preempted_by_thread"):
+        first[key] = thread_cpu.mean_by_name([r.get(key) or {} for r in results])
     first["input_seconds_per_step"] = statistics.mean(r["input_seconds_per_step"]
                                                       for r in results)
     first["samples_per_sec"] = sum(SCALING_MODELS[model]["per_worker_batch"] / r["step_seconds"]
@@ -599,6 +604,9 @@ def scaling_table(curve: dict) -> dict:
                 # The processes' mean CPU per step by thread name (experiments/thread_cpu).
                 "cpu_ms_by_thread": {v: r.get("cpu_ms_by_thread") or {}
                                      for v, r in med.items()},
+                # ... and how often each thread was switched out while runnable, per step.
+                "preempted_by_thread": {v: r.get("preempted_by_thread") or {}
+                                        for v, r in med.items()},
                 "idle_ms": med["control_idle"].get("idle_ms", 0.0)
                 if "control_idle" in med else 0.0,
                 "input_ms": {v: r["input_seconds_per_step"] * 1e3 for v, r in med.items()},
@@ -669,6 +677,10 @@ def _cpu_note(t: dict, variant: str) -> str:
             + thread_cpu.describe(by_thread[variant]))
     if variant != "control" and by_thread.get("control"):
         note += f"; the control's {thread_cpu.describe(by_thread['control'])}"
+    preempted = t.get("preempted_by_thread", {})
+    if preempted.get(variant):
+        note += ("; switched out while runnable, per step: "
+                 + thread_cpu.describe(preempted[variant], unit=""))
     return note + "; "
 
 
@@ -886,8 +898,12 @@ def format_table(table: dict) -> str:
                 if by_thread:
                     idle = f" (idling {t['idle_ms']:.0f} ms a step)" if v == "control_idle" \
                         else ""
+                    preempted = t.get("preempted_by_thread", {}).get(v)
                     lines.append(f"N={n} {v}{idle}: CPU {t['cpu_ms'][v]:.2f} ms per step: "
-                                 + thread_cpu.describe(by_thread))
+                                 + thread_cpu.describe(by_thread)
+                                 + ("; switched out while runnable per step: "
+                                    + thread_cpu.describe(preempted, unit="")
+                                    if preempted else ""))
         lines.append("")
     return "\n".join(lines)
 

@@ -69,6 +69,7 @@ def test_scaling_curve_rows_at_1_and_2_workers(tmp_path):
     by_thread = two["cpu_ms_by_thread"]
     assert sorted(by_thread) == ["control", "stock", "tfdist", "tfdist_unpacked"]
     assert all(by_thread.values()), by_thread
+    assert sorted(two["preempted_by_thread"]) == sorted(by_thread)
     assert "N=2 tfdist: CPU" in log and "CPU per step" in \
         rows["scaling_tiny_2workers_tfdist_efficiency"]["note"]
 
