@@ -26,6 +26,7 @@ import time
 
 from absl import app, flags
 
+from experiments.args import int_list
 from experiments.rows import print_rows, row, write_rows
 
 FLAGS = flags.FLAGS
@@ -45,12 +46,7 @@ def check_arguments(workers, rounds: int) -> list[int]:
     Raises:
       ValueError: a value out of range, naming what was received.
     """
-    try:
-        counts = [int(n) for n in workers]
-    except ValueError:
-        counts = []
-    if not counts or any(n < 1 for n in counts):
-        raise ValueError(f"--workers must be integers >= 1. Received: {','.join(workers)}")
+    counts = int_list("--workers", workers, 1, example="1,2,4")
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1. Received: {rounds}")
     return counts

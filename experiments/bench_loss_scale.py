@@ -32,6 +32,7 @@ import time
 
 from absl import app, flags
 
+from experiments.args import int_list
 from experiments.rows import print_rows, row, write_rows
 from experiments.workers import launch_workers
 
@@ -58,13 +59,8 @@ def check_arguments(workers, rounds: int, steps: int) -> list[int]:
     Raises:
       ValueError: a value out of range, naming what was received.
     """
-    try:
-        counts = [int(n) for n in workers]
-    except ValueError:
-        counts = []
-    if not counts or any(n < 2 for n in counts):
-        raise ValueError("--workers must be integers >= 2 (the check only runs a collective "
-                         f"with several workers), e.g. 2,4. Received: {','.join(workers)!r}")
+    counts = int_list("--workers", workers, 2, example="2,4",
+                      why="the check only runs a collective with several workers")
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1. Received: {rounds}")
     if steps < 5:

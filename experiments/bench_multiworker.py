@@ -59,6 +59,7 @@ import threading
 import time
 
 from experiments import thread_cpu
+from experiments.args import int_list
 from experiments.rows import print_rows, row as _row, write_rows
 from experiments.workers import ROOT, launch_workers
 from absl import app, flags
@@ -727,13 +728,7 @@ def check_worker_counts(workers) -> list[int]:
     Raises:
       ValueError: a count that is not a positive integer, with what was received.
     """
-    try:
-        counts = sorted({int(n) for n in workers})
-    except (TypeError, ValueError):
-        counts = None
-    if not counts or counts[0] < 1:
-        raise ValueError("--workers must be positive integers, e.g. --workers=1,2,4,8. "
-                         f"Received: {','.join(str(n) for n in workers)!r}")
+    counts = sorted(set(int_list("--workers", workers, 1, example="--workers=1,2,4,8")))
     return counts if counts[0] == 1 else [1] + counts
 
 

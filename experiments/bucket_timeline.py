@@ -50,6 +50,7 @@ import time
 
 from absl import app, flags
 
+from experiments.args import int_list
 from experiments.bench_cluster import RATE_SCALE
 from experiments.workers import launch_workers
 
@@ -106,14 +107,7 @@ def check_arguments(bucket_bytes: int, inter_op, steps: int, rate: float | None 
         raise ValueError(f"--nice_compute must be in 0..19. Received: {nice_compute}")
     if timed_steps < 2:
         raise ValueError(f"--timed_steps must be >= 2. Received: {timed_steps}")
-    try:
-        counts = [int(n) for n in inter_op]
-    except ValueError:
-        counts = []
-    if not counts or any(n < 1 for n in counts):
-        raise ValueError(f"--inter_op must be positive integers, e.g. 1,2. "
-                         f"Received: {','.join(map(str, inter_op))!r}")
-    return counts
+    return int_list("--inter_op", inter_op, 1, example="1,2")
 
 
 def _union_ms(intervals: list[tuple[float, float]], until: float = float("inf")) -> float:

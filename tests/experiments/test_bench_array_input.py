@@ -9,9 +9,10 @@ from experiments import bench_array_input as bench
 
 def test_bad_arguments_name_what_was_received():
     assert bench.check_arguments(["1", "4"], 2) == [1, 4]
-    with pytest.raises(ValueError, match=r"--workers must be integers >= 1. Received: 2,x"):
+    with pytest.raises(ValueError, match=r"--workers must be integers >= 1, e.g. 1,2,4. "
+                                         r"Received: '2,x'"):
         bench.check_arguments(["2", "x"], 1)
-    with pytest.raises(ValueError, match=r"Received: 0"):
+    with pytest.raises(ValueError, match=r"Received: '0'"):
         bench.check_arguments(["0"], 1)
     with pytest.raises(ValueError, match=r"--rounds must be at least 1. Received: 0"):
         bench.check_arguments(["1"], 0)

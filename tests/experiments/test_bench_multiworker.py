@@ -157,9 +157,10 @@ def test_scaling_inputs_give_each_worker_its_batches():
 
 
 def test_bad_worker_counts_and_models_name_what_was_received():
-    with pytest.raises(ValueError, match=r"--workers must be positive integers.*Received: '0,2'"):
+    with pytest.raises(ValueError, match=r"--workers must be integers >= 1, e.g. "
+                                         r"--workers=1,2,4,8. Received: '0,2'"):
         bench.check_worker_counts(["0", "2"])
-    with pytest.raises(ValueError, match=r"--workers must be positive.*Received: 'two'"):
+    with pytest.raises(ValueError, match=r"--workers must be integers >= 1.*Received: 'two'"):
         bench.check_worker_counts(["two"])
     assert bench.check_worker_counts(["8", "2", "2"]) == [1, 2, 8]  # 1: the curve's base
     with pytest.raises(ValueError, match=r"--models must name one or more of conv, tiny. "
@@ -187,7 +188,7 @@ def test_bad_worker_counts_and_models_name_what_was_received():
          "--workers=2,-4"], cwd=REPO, capture_output=True, text=True, timeout=60,
         env=dict(os.environ, PYTHONPATH=REPO))
     assert result.returncode != 0
-    assert "--workers must be positive integers" in result.stderr
+    assert "--workers must be integers >= 1" in result.stderr
     assert "Traceback" not in result.stderr
 
 

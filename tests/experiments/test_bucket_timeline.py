@@ -95,5 +95,6 @@ def test_renice_threads_lowers_only_the_named_threads():
         thread.join()
     with pytest.raises(ValueError, match=r"--steps must be >= 1. Received: 0"):
         timeline.check_arguments(1, ["1"], 0)
-    with pytest.raises(ValueError, match=r"--inter_op must be positive integers.*'1,x'"):
+    with pytest.raises(ValueError, match=r"--inter_op must be integers >= 1, e.g. 1,2. "
+                                         r"Received: '1,x'"):
         timeline.check_arguments(1, ["1", "x"], 3)
