@@ -47,6 +47,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 from absl import app, flags
 
@@ -261,20 +262,39 @@ def _run_shaped(lab, config: dict, port: int) -> dict:
                        label=f"bucket timeline inter_op={config['inter_op']}")
 
 
-def run(bucket_bytes: int, inter_op: list[int], steps: int, *, rate: float | None = None,
-        model: str = "conv", communication: str = "auto", timed_steps: int = 8,
-        trace_dir: str | None = None, nice_compute: int = 0,
-        bucket_priority: bool = True, mixed_precision: str = "float32",
-        sums_before_loss_scale: bool = True) -> dict:
+@dataclass(frozen=True)
+class Setup:
+    """What one timeline run measures, as the flags give it (see _define_flags)."""
+
+    bucket_bytes: int = 16384
+    steps: int = 3
+    model: str = "conv"
+    communication: str = "auto"
+    nice_compute: int = 0
+    bucket_priority: bool = True
+    mixed_precision: str = "float32"
+    sums_before_loss_scale: bool = True
+    rate: float | None = None  # Gbit/s-equivalent; None: loopback
+    timed_steps: int = 8  # with a rate: unprofiled steps timed
+
+    @classmethod
+    def from_flags(cls, values) -> Setup:
+        return cls(**{name: getattr(values, name) for name in cls.__dataclass_fields__})
+
+    def worker_config(self) -> dict:
+        """The workers' part (the link and its timed steps stay with the parent)."""
+        config = asdict(self)
+        del config["rate"], config["timed_steps"]
+        return config
+
+
+def run(setup: Setup, inter_op: list[int], trace_dir: str | None = None) -> dict:
     """{inter-op threads: worker 0's result} from one 2-worker run per count.
 
-    A result holds "steps" (the per-step summaries) and, with `rate`, "step_ms",
+    A result holds "steps" (the per-step summaries) and, with `setup.rate`, "step_ms",
     "compute_ms" and "exchange_alone_ms".
     """
-    base = {"bucket_bytes": bucket_bytes, "steps": steps, "model": model,
-            "communication": communication, "nice_compute": nice_compute,
-            "bucket_priority": bucket_priority, "mixed_precision": mixed_precision,
-            "sums_before_loss_scale": sums_before_loss_scale}
+    base, rate = setup.worker_config(), setup.rate
     results = {}
 
     def traced(n):
@@ -293,8 +313,9 @@ def run(bucket_bytes: int, inter_op: list[int], steps: int, *, rate: float | Non
 
     with NetLab(2, rate * 1e9 * RATE_SCALE) as lab:
         for port, n in enumerate(inter_op, start=47600):
-            results[n] = _run_shaped(lab, dict(base, inter_op=n, timed_steps=timed_steps,
-                                               **traced(n)), port)
+            results[n] = _run_shaped(lab, dict(base, inter_op=n,
+                                               timed_steps=setup.timed_steps, **traced(n)),
+                                     port)
     return results
 
 
@@ -307,20 +328,18 @@ def _hidden(result: dict) -> float | None:
     return max(0.0, min(1.0, share))
 
 
-def report(results: dict, bucket_bytes: int, *, rate: float | None = None,
-           model: str = "conv", communication: str = "auto", nice_compute: int = 0,
-           bucket_priority: bool = True, mixed_precision: str = "float32",
-           sums_before_loss_scale: bool = True) -> str:
+def report(results: dict, setup: Setup) -> str:
+    rate = setup.rate
     link = (f"link shaped to {rate:g} Gbit/s-eq ({rate * RATE_SCALE * 1e3:g} Mbit/s each way)"
             if rate else "loopback")
-    priority = "" if bucket_priority or not bucket_bytes else " (bucket_priority=False)"
-    if mixed_precision != "float32":
-        priority += f", {mixed_precision}" + (
-            "" if sums_before_loss_scale else " (sums inside the loss scale's update)")
-    lines = [f"{model} model, 2 workers, {link}, bucket_bytes={bucket_bytes}{priority}, "
-             "communication "
-             f"{communication}, 1 intra-op thread, inter-op threads at nice {nice_compute}, "
-             f"load average {os.getloadavg()[0]:.1f}", "",
+    priority = ("" if setup.bucket_priority or not setup.bucket_bytes
+                else " (bucket_priority=False)")
+    if setup.mixed_precision != "float32":
+        priority += f", {setup.mixed_precision}" + (
+            "" if setup.sums_before_loss_scale else " (sums inside the loss scale's update)")
+    lines = [f"{setup.model} model, 2 workers, {link}, bucket_bytes={setup.bucket_bytes}"
+             f"{priority}, communication {setup.communication}, 1 intra-op thread, inter-op "
+             f"threads at nice {setup.nice_compute}, load average {os.getloadavg()[0]:.1f}", "",
              "| inter-op threads | backward pass (median) | optimizer collectives per step | "
              "started before the backward pass ended | first collective starts | "
              "last collective ends | exchange busy (during backward) | "
@@ -352,15 +371,9 @@ def main(argv):
         return _worker(json.loads(FLAGS.config), FLAGS.worker_out)
     inter_op = check_arguments(FLAGS.bucket_bytes, FLAGS.inter_op, FLAGS.steps, FLAGS.rate,
                                FLAGS.timed_steps, FLAGS.nice_compute)
-    results = run(FLAGS.bucket_bytes, inter_op, FLAGS.steps, rate=FLAGS.rate, model=FLAGS.model,
-                  communication=FLAGS.communication, timed_steps=FLAGS.timed_steps,
-                  trace_dir=FLAGS.trace_dir, nice_compute=FLAGS.nice_compute,
-                  bucket_priority=FLAGS.bucket_priority, mixed_precision=FLAGS.mixed_precision,
-                  sums_before_loss_scale=FLAGS.sums_before_loss_scale)
-    print(report(results, FLAGS.bucket_bytes, rate=FLAGS.rate, model=FLAGS.model,
-                 communication=FLAGS.communication, nice_compute=FLAGS.nice_compute,
-                 bucket_priority=FLAGS.bucket_priority, mixed_precision=FLAGS.mixed_precision,
-                 sums_before_loss_scale=FLAGS.sums_before_loss_scale))
+    setup = Setup.from_flags(FLAGS)
+    results = run(setup, inter_op, FLAGS.trace_dir)
+    print(report(results, setup))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({str(k): v for k, v in results.items()}, f, indent=2)
