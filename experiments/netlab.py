@@ -69,17 +69,32 @@ print(statistics.median(rtts), total / (time.perf_counter() - t))
 def wait_for_workers(procs: list[subprocess.Popen], *, timeout: float, label: str) -> list[str]:
     """Each process's output once all ended (one deadline for all); leftovers killed and reaped.
 
+    Every process's pipe is drained while they run, each by a thread of its own: a worker
+    that fills its pipe (64 KiB: a few hundred log lines) would otherwise block on a write,
+    and, being linked, block its peers too.
+
     Raises:
       RuntimeError: "<label>: the workers did not finish in <timeout> s", or
         "<label>: worker k exited with <code>" and its last 20 lines.
     """
+    import threading
     import time
 
-    outputs = []
+    outputs = [""] * len(procs)
+
+    def drain(k: int, p: subprocess.Popen) -> None:
+        if p.stdout is not None:
+            outputs[k] = p.stdout.read() or ""
+
+    readers = [threading.Thread(target=drain, args=(k, p), daemon=True,
+                                name=f"{label} worker {k} output")
+               for k, p in enumerate(procs)]
+    for reader in readers:
+        reader.start()
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"{label}: the workers did not finish in {timeout} s") from e
     finally:
@@ -87,6 +102,11 @@ def wait_for_workers(procs: list[subprocess.Popen], *, timeout: float, label: st
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for reader in readers:
+            reader.join(timeout=10)  # EOF once the process has ended
+        for p in procs:
+            if p.stdout is not None:
+                p.stdout.close()
     for k, (p, text) in enumerate(zip(procs, outputs)):
         if p.returncode != 0:
             tail = "\n".join(text.strip().splitlines()[-20:])

@@ -231,6 +231,23 @@ def test_wait_for_workers_names_a_failed_or_stuck_worker_and_leaves_none():
     assert not any(alive(p.pid) for p in stuck)
 
 
+def test_wait_for_workers_drains_every_pipe_while_they_run(tmp_path):
+    """Linked workers that log a lot: worker 1 writes 1 MiB before it lets worker 0 end. With
+    only worker 0's pipe read until it ends (the old wait), worker 1 blocks on its full pipe
+    and both hang (bucket_timeline --model=mlp --rate=1 did, on 600 buckets' log lines)."""
+    from experiments.netlab import wait_for_workers
+
+    flag = tmp_path / "worker1_done"
+    waits = (f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.05)\n"
+             "print('zero')")
+    floods = f"import sys\nsys.stdout.write('x' * (1 << 20))\nsys.stdout.flush()\n" \
+             f"open({str(flag)!r}, 'w').close()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for code in (waits, floods)]
+    outputs = wait_for_workers(procs, timeout=30, label="x")
+    assert outputs == ["zero\n", "x" * (1 << 20)]
+
+
 def test_rounds_are_interleaved_and_each_configuration_keeps_its_median_round(monkeypatch):
     """run(rounds=3) with the worker processes replaced: order rotated, median round kept."""
     refused = namespaces_refused()
