@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from experiments.rows import print_rows, write_rows
@@ -335,24 +336,32 @@ def measure_allreduce(sizes, repeats, timeout=180.0):
     cluster = cluster_lib.local_cluster(num_workers=2)
     procs = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        for i in range(2):
-            env = {**os.environ, "TF_CONFIG": cluster_lib.tf_config_for(cluster, "worker", i),
-                   "CUDA_VISIBLE_DEVICES": ""}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "experiments.allreduce_worker",
-                 f"--sizes={','.join(map(str, sizes))}", f"--repeats={repeats}"],
-                cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        out, err = procs[0].communicate(timeout=timeout)
-        procs[1].wait(timeout=30)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    # Worker 1's output goes to a file, not a pipe: nobody reads it while worker 0 runs, and
+    # a full pipe would block worker 1, and worker 0's collectives with it.
+    with tempfile.TemporaryFile("w+") as other:
+        try:
+            for i in range(2):
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                       "TF_CONFIG": cluster_lib.tf_config_for(cluster, "worker", i)}
+                pipes = ({"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if i == 0
+                         else {"stdout": other, "stderr": subprocess.STDOUT})
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "experiments.allreduce_worker",
+                     f"--sizes={','.join(map(str, sizes))}", f"--repeats={repeats}"],
+                    cwd=root, env=env, text=True, **pipes))
+            out, err = procs[0].communicate(timeout=timeout)
+            procs[1].wait(timeout=30)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        other.seek(0)
+        other_tail = other.read().strip().splitlines()[-1:]
     if procs[0].returncode != 0:
         raise RuntimeError(f"all-reduce worker failed (rc {procs[0].returncode}): "
-                           f"{err.strip().splitlines()[-1:] if err else ''}")
+                           f"{err.strip().splitlines()[-1:] if err else ''}; worker 1 "
+                           f"(rc {procs[1].returncode}): {other_tail}")
     return [tuple(p) for p in json.loads(out.strip().splitlines()[-1])["points"]]
 
 
