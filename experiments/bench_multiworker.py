@@ -85,8 +85,8 @@ def _define_flags() -> None:
     flags.DEFINE_list("variants", list(DEFAULT_VARIANTS),
                       "Variants of the scaling curve: tfdist and any of "
                       + ", ".join(SCALING_VARIANTS[1:]) + " (efficiency is against control).")
-    flags.DEFINE_integer("control_idle_ms", 60, "control_idle's pause after every step, "
-                         "in ms (about what a linked worker waits for its peers).")
+    flags.DEFINE_integer("control_idle_ms", CONTROL_IDLE_MS, "control_idle's pause after "
+                         "every step, in ms (about what a linked worker waits for its peers).")
     flags.DEFINE_enum("input", "global", list(INPUTS),
                       "The scaling curve's input: " + "; ".join(
                           f"{k}: {v}" for k, v in INPUTS.items()) + ".")
@@ -165,6 +165,7 @@ INPUT_STEPS = (5, 20)  # batches timed by the input-only measurement (quick, ful
 SCALING_VARIANTS = ("tfdist", "tfdist_unpacked", "stock", "control", "control_idle")
 CONTROLS = ("control", "control_idle")  # unlinked processes: baselines, no efficiency
 DEFAULT_VARIANTS = SCALING_VARIANTS[:4]  # control_idle is a diagnosis, asked for by name
+CONTROL_IDLE_MS = 60  # control_idle's default pause after every step
 VARIANT_NOTES = {
     "tfdist": "tfdist multi_worker_mirrored preset, model.fit",
     "tfdist_unpacked": "the same with keras_log_reduction taken out (one collective per "
@@ -268,7 +269,7 @@ def _scaling_worker(config: dict, out: str) -> None:
         model = _scaling_model(keras, name)
         optimizer = keras.optimizers.SGD(0.01)
     seconds, cpu = [], []
-    threads, preempted = {}, {}  # the timed steps' CPU (ms) and preemptions per step by thread
+    threads = {}  # the timed steps' CPU (ms) and preemptions per step by thread (thread_cpu.since)
     step_durations = []  # per timed epoch, each step's seconds (fit only)
     profile_dir = os.path.join(os.path.dirname(out), f"profile-{variant}-{workers}")
     # One process profiles (worker 0; of the control's processes the first): with
@@ -304,9 +305,7 @@ def _scaling_worker(config: dict, out: str) -> None:
             run_steps(steps)
             seconds.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-        after = thread_cpu.snapshot()
-        threads = thread_cpu.per_step_ms(before, after, steps * (epochs - 1))
-        preempted = thread_cpu.per_step_preempted(before, after, steps * (epochs - 1))
+        threads = thread_cpu.since(before, steps * (epochs - 1))
         if profiles:
             tf.profiler.experimental.start(profile_dir)
         run_steps(PROFILE_STEPS)
@@ -338,10 +337,7 @@ def _scaling_worker(config: dict, out: str) -> None:
                     cpu.append(time.process_time() - self.start_cpu)
                     step_durations.append(self.durations)
                 if epoch == epochs - 1:
-                    after = thread_cpu.snapshot()
-                    timed = steps * (epochs - 1)
-                    threads.update(thread_cpu.per_step_ms(self.threads, after, timed))
-                    preempted.update(thread_cpu.per_step_preempted(self.threads, after, timed))
+                    threads.update(thread_cpu.since(self.threads, steps * (epochs - 1)))
 
         class Profile(keras.callbacks.Callback):
             # Whole steps only (the second to the last): no tracing, no epoch end.
@@ -373,8 +369,7 @@ def _scaling_worker(config: dict, out: str) -> None:
               "step_seconds": step_seconds, "samples_per_sec": global_batch / step_seconds,
               "input_seconds_per_step": input_seconds, "input": config.get("input", "global"),
               "cpu_seconds_per_step": statistics.median(cpu) / steps,
-              "threads": len(os.listdir("/proc/self/task")), "cpu_ms_by_thread": threads,
-              "preempted_by_thread": preempted,
+              "threads": len(os.listdir("/proc/self/task")), **threads,
               "idle_ms": idle * 1e3,
               "step_durations": step_durations,
               "gradient_bytes": 4 * sum(int(np.prod(w.shape))
@@ -694,7 +689,7 @@ def _bound_note(t: dict, variant: str) -> str:
 
 def _scaling_part(quick: bool, *, models=("tiny",), workers=None, rounds=None,
                   variants: tuple[str, ...] = DEFAULT_VARIANTS,
-                  input_mode: str = "global", idle_ms: int = 60,
+                  input_mode: str = "global", idle_ms: int = CONTROL_IDLE_MS,
                   progress=None) -> tuple[list[dict], dict, dict]:
     """The scaling curve's rows, the curve, and its table (see scaling_table)."""
     workers = check_worker_counts(workers or ((1, 2) if quick else (1, 2, 4, 8)))
@@ -845,7 +840,8 @@ def run(quick: bool) -> list[dict]:
 
 
 def _scaling_only(quick: bool, models: list[str], workers, rounds,
-                  input_mode: str = "global", variants=DEFAULT_VARIANTS, idle_ms: int = 60,
+                  input_mode: str = "global", variants=DEFAULT_VARIANTS,
+                  idle_ms: int = CONTROL_IDLE_MS,
                   progress=None) -> tuple[list[dict], dict]:
     rows, curve, table = _scaling_part(quick, models=models, workers=workers, rounds=rounds,
                                        input_mode=input_mode, variants=tuple(variants),

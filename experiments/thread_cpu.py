@@ -74,6 +74,14 @@ def per_step_preempted(before: dict, after: dict, steps: int) -> dict[str, float
     return _per_name(before, after, "preempted", steps, 1.0)
 
 
+def since(before: dict, steps: int) -> dict[str, dict[str, float]]:
+    """{"cpu_ms_by_thread": per_step_ms, "preempted_by_thread": per_step_preempted} from
+    `before` to now."""
+    after = snapshot()
+    return {"cpu_ms_by_thread": per_step_ms(before, after, steps),
+            "preempted_by_thread": per_step_preempted(before, after, steps)}
+
+
 def mean_by_name(per_process: list[dict[str, float]]) -> dict[str, float]:
     """The mean over processes of per_step_* results (a name a process lacks counts 0),
     largest first."""
