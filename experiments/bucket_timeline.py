@@ -264,18 +264,19 @@ def _run_shaped(lab, config: dict, port: int) -> dict:
 
 @dataclass(frozen=True)
 class Setup:
-    """What one timeline run measures, as the flags give it (see _define_flags)."""
+    """What one timeline run measures, as the flags give it (their defaults are the flags'
+    own, in _define_flags)."""
 
-    bucket_bytes: int = 16384
-    steps: int = 3
-    model: str = "conv"
-    communication: str = "auto"
-    nice_compute: int = 0
-    bucket_priority: bool = True
-    mixed_precision: str = "float32"
-    sums_before_loss_scale: bool = True
-    rate: float | None = None  # Gbit/s-equivalent; None: loopback
-    timed_steps: int = 8  # with a rate: unprofiled steps timed
+    bucket_bytes: int
+    steps: int
+    model: str
+    communication: str
+    nice_compute: int
+    bucket_priority: bool
+    mixed_precision: str
+    sums_before_loss_scale: bool
+    rate: float | None  # Gbit/s-equivalent; None: loopback
+    timed_steps: int  # with a rate: unprofiled steps timed
 
     @classmethod
     def from_flags(cls, values) -> Setup:
