@@ -1,6 +1,8 @@
 """The exchange lays buckets out at layer boundaries, as the planner counts them (in-process,
 mirrored over 2 logical CPUs)."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -43,7 +45,11 @@ def _exchange(monkeypatch, bucket_bytes: int, forget_layers: bool = False):
 
 @pytest.mark.timeout(300)
 def test_buckets_follow_layers_and_the_planner_counts_them(monkeypatch):
-    calls, model = _exchange(monkeypatch, 40000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calls, model = _exchange(monkeypatch, 40000)
+    # 4 buckets: not many (the negative control of the warning below)
+    assert not [w for w in caught if "buckets" in str(w.message)]
     # dense (1320 bytes) and conv2d_3 (36,992) share the first bucket; every other layer
     # is a bucket of its own: the bias of the layer below waits for its own layer.
     assert [sum(c) for c in calls] == [38312, 36992, 36992, 18560]
@@ -60,3 +66,41 @@ def test_without_the_layers_the_first_bucket_takes_the_bias_below(monkeypatch):
     # tfdist laid buckets out before, and the first bucket takes conv2d_2's bias too.
     calls, _ = _exchange(monkeypatch, 40000, forget_layers=True)
     assert sum(calls[0]) == 38312 + 128
+
+
+@pytest.mark.timeout(300)
+def test_many_small_buckets_are_warned_about_once(monkeypatch):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calls, _ = _exchange(monkeypatch, 1024)
+    messages = [str(w.message) for w in caught if "buckets (" in str(w.message)]
+    # once, though both replicas trace the exchange
+    assert len(messages) == 1, messages
+    assert len(calls) > 64
+    total = sum(sum(c) for c in calls)
+    assert (f"bucket_bytes=1024 cuts {planning.format_bytes(total)} of gradients into "
+            f"{len(calls)} buckets") in messages[0]
+    assert "pass a larger bucket_bytes" in messages[0]
+
+
+def test_many_buckets_of_a_mebibyte_or_more_are_not_warned_about():
+    import tensorflow as tf
+
+    from tfdist.comm import sync
+
+    comm = object.__new__(sync.CommSync)
+    comm.bucket_bytes, comm._warned = 1 << 20, set()
+    grads = [tf.zeros([1 << 18]) for _ in range(100)]  # 100 gradients of 1 MiB
+    whole = [[buckets.Segment(i)] for i in range(100)]
+    halves = [[buckets.Segment(i, 0, 1 << 17)] for i in range(100)] + \
+        [[buckets.Segment(i, 1 << 17, None)] for i in range(100)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.warn_if_many(whole, grads)  # 100 buckets of 1 MiB: large enough
+        small = [tf.zeros([256]) for _ in range(64)]
+        comm.warn_if_many(whole[:64], small)  # 64 buckets of 1 KiB: not many
+        assert not caught
+        comm.warn_if_many(halves, grads)  # 200 buckets of 512 KiB
+        comm.warn_if_many(halves, grads)  # the same layout: warned once
+    assert len(caught) == 1
+    assert "into 200 buckets (512.00 KiB each on average)" in str(caught[0].message)

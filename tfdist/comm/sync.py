@@ -31,6 +31,7 @@ replicas stay identical.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -43,10 +44,15 @@ from tfdist.compat import backward_priority
 from tfdist.compat import comm_collectives as collectives
 from tfdist import sync as sync_lib
 from tfdist.compat import optimizer_update
+from tfdist.planning.units import format_bytes
 
 _HALF = {"fp16": "float16", "bf16": "bfloat16"}
 # Seed of PowerSGD's initial Q matrices: the same on every replica and worker.
 _Q_SEED = 20190531
+# A layout with more buckets than this, of less than SMALL_BUCKET_BYTES each on average, is
+# warned about: every bucket is its own all-reduce, and each pays a ring round trip.
+MANY_BUCKETS = 64
+SMALL_BUCKET_BYTES = 1 << 20
 
 
 class CommSync(sync_lib.GradientSync):
@@ -79,6 +85,7 @@ class CommSync(sync_lib.GradientSync):
         self._state_of: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         # optimizer -> {variable key: the variable's layer}, for cutting buckets at layers.
         self._layers_of: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        self._warned: set = set()  # the layouts warned about, as (buckets, bytes)
 
     def __repr__(self) -> str:
         extra = (f", rank={self.rank}, warmup_steps={self.warmup_steps}"
@@ -245,11 +252,37 @@ class CommSync(sync_lib.GradientSync):
     def _ordered(self, buckets: list, grads: list) -> list:
         """`buckets` (of `grads`, in sending order), after making the backward pass compute
         each bucket's gradients before it moves on (tfdist.compat.backward_priority), where
-        bucket_priority asks for it and there is more than one bucket."""
+        bucket_priority asks for it and there is more than one bucket. Warns where the
+        buckets are many and small (`warn_if_many`)."""
+        self.warn_if_many(buckets, grads)
         if self.bucket_priority and len(buckets) > 1:
             backward_priority.prioritise(
                 [[grads[segment.item] for segment in bucket] for bucket in buckets])
         return buckets
+
+    def warn_if_many(self, buckets: list, grads: list) -> None:
+        """Warns, once per layout, where `buckets` (of `grads`) are more than MANY_BUCKETS
+        and average less than SMALL_BUCKET_BYTES: each is its own all-reduce, so a step pays
+        the collective's latency once per bucket. With a small `bucket_bytes` a model's
+        step can slow several-fold (and its trace take minutes) without an error to say
+        why."""
+        total = sum(segment_bytes(grads[segment.item], segment)
+                    for bucket in buckets for segment in bucket)
+        count = len(buckets)
+        if count <= MANY_BUCKETS or total >= count * SMALL_BUCKET_BYTES \
+                or (count, total) in self._warned:
+            return
+        self._warned.add((count, total))
+        warnings.warn(
+            f"tfdist: bucket_bytes={self.bucket_bytes} cuts {format_bytes(total)} of "
+            f"gradients into {count} buckets ({format_bytes(total / count)} each on "
+            "average), and each bucket is its own all-reduce: every step pays a collective's "
+            f"round trip {count} times (1-2 ms each between two processes on one host, "
+            "more between hosts and with more workers), and tracing the step takes longer "
+            "with each. Buckets of 1-25 MiB are the usual range (PyTorch DDP's default is "
+            f"25 MiB): pass a larger bucket_bytes, or 0 for one all-reduce. "
+            "tfdist.planning.bucket_collectives(shapes, bucket_bytes=..., layers=...) counts "
+            "the collectives of a size before you train.", UserWarning, stacklevel=2)
 
     def _all_reduce(self, tensors: list) -> list:
         """One collective per dtype among `tensors` (a pack is concatenated)."""
@@ -305,6 +338,14 @@ class CommSync(sync_lib.GradientSync):
             out[i] = tf.cast(tf.reshape(approx, tf.shape(grads[i])), grads[i].dtype)
         with tf.control_dependencies(updates):
             return [tf.identity(g) for g in out]
+
+
+def segment_bytes(grad: Any, segment: buckets_lib.Segment) -> int:
+    """The bytes of `segment` of `grad` (0 where its size is not known)."""
+    if not grad.shape.is_fully_defined():
+        return 0
+    stop = grad.shape.num_elements() if segment.stop is None else segment.stop
+    return (stop - segment.start) * grad.dtype.size
 
 
 def _initial_q(columns: int, rank: int, index: int) -> np.ndarray:
