@@ -330,12 +330,19 @@ FULL_SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB ... 64 MiB
 
 
 def measure_allreduce(sizes, repeats, timeout=180.0):
-    """Median seconds of a 2-worker ring all-reduce per size: [(bytes, seconds), ...]."""
+    """Median seconds of a 2-worker ring all-reduce per size: [(bytes, seconds), ...].
+
+    Raises:
+      RuntimeError: a worker failed, or the pair did not finish in `timeout` seconds
+        (both workers are then killed); the message has each worker's last line.
+    """
     from tfdist import cluster as cluster_lib
 
     cluster = cluster_lib.local_cluster(num_workers=2)
     procs = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = err = ""
+    timed_out = False
     # Worker 1's output goes to a file, not a pipe: nobody reads it while worker 0 runs, and
     # a full pipe would block worker 1, and worker 0's collectives with it.
     with tempfile.TemporaryFile("w+") as other:
@@ -349,19 +356,31 @@ def measure_allreduce(sizes, repeats, timeout=180.0):
                     [sys.executable, "-m", "experiments.allreduce_worker",
                      f"--sizes={','.join(map(str, sizes))}", f"--repeats={repeats}"],
                     cwd=root, env=env, text=True, **pipes))
-            out, err = procs[0].communicate(timeout=timeout)
-            procs[1].wait(timeout=30)
+            try:
+                out, err = procs[0].communicate(timeout=timeout)
+                procs[1].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                timed_out = True
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            if timed_out and procs[0].stdout is not None:
+                out, err = procs[0].communicate()  # what it wrote before it was killed
         other.seek(0)
         other_tail = other.read().strip().splitlines()[-1:]
+    last = (err or out or "").strip().splitlines()[-1:]
+    if timed_out:
+        raise RuntimeError(
+            f"the 2-worker all-reduce of {len(sizes)} sizes x {repeats} repeats did not "
+            f"finish (worker 0 in {timeout:.0f} s, worker 1 within 30 s after it), and both "
+            "workers were killed. Worker 0's last line: "
+            f"{last}; worker 1's: {other_tail}. A loaded machine slows it: rerun when it is "
+            "quieter, or with --quick.")
     if procs[0].returncode != 0:
         raise RuntimeError(f"all-reduce worker failed (rc {procs[0].returncode}): "
-                           f"{err.strip().splitlines()[-1:] if err else ''}; worker 1 "
-                           f"(rc {procs[1].returncode}): {other_tail}")
+                           f"{last}; worker 1 (rc {procs[1].returncode}): {other_tail}")
     return [tuple(p) for p in json.loads(out.strip().splitlines()[-1])["points"]]
 
 
@@ -421,7 +440,10 @@ def run(quick: bool) -> list[dict]:
 
 def main(argv):
     del argv
-    rows, details = measure(flags.FLAGS.quick)
+    try:
+        rows, details = measure(flags.FLAGS.quick)
+    except RuntimeError as error:  # a measurement's workers failed or timed out: said, no trace
+        sys.exit(f"bench_presets: {error}")
     write_rows(flags.FLAGS.out, rows, details=details)
     print_rows(rows)
 
