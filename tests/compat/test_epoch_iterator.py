@@ -73,7 +73,9 @@ def test_one_iterator_per_epoch_with_the_weights_of_one_device():
         keras_epoch_iterator.install()
     # Keras builds one iterator per epoch start and one after each epoch's last step.
     assert unfixed_builds - fixed_builds == EPOCHS, (fixed_builds, unfixed_builds)
-    assert stock_builds == unfixed_builds  # a strategy tfdist did not make: Keras's own loop
+    # A strategy tfdist did not make: Keras's own loop, and one iterator more for the symbolic
+    # build's first batch (keras_build's fix reads nothing there).
+    assert stock_builds == unfixed_builds + 1, (stock_builds, unfixed_builds)
     # Same data order, same weights: the discarded iterator never fed a step.
     assert np.abs(fixed - one_device).max() < 1e-6
     assert np.abs(fixed - unfixed).max() < 1e-6
@@ -112,7 +114,7 @@ def test_multi_worker_preset_builds_one_iterator_per_epoch(monkeypatch):
     finally:
         keras_epoch_iterator.install()
     assert unfixed_builds - fixed_builds == EPOCHS, (fixed_builds, unfixed_builds)
-    assert stock_builds == unfixed_builds
+    assert stock_builds == unfixed_builds + 1, (stock_builds, unfixed_builds)  # as above
     assert np.abs(fixed - one_device).max() < 1e-6
     assert np.abs(fixed - unfixed).max() < 1e-6
     assert np.abs(stock - one_device).max() < 1e-6

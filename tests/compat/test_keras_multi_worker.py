@@ -103,22 +103,32 @@ def test_a_changed_signature_is_refused_naming_both_shapes():
         keras_multi_worker.REDUCE_PER_REPLICA_FIX.check(lambda values, strategy: values)
 
 
-def test_an_epoch_iterator_that_is_not_a_step_generator_is_refused(monkeypatch):
-    class Keras35EpochIterator:  # Keras 3.5: enumerate_epoch(), not iterable
-        def enumerate_epoch(self):
-            yield 0, iter(())
+def test_an_epoch_iterator_without_its_distributed_dataset_is_refused(monkeypatch):
+    class OtherEpochIterator:  # keeps its dataset under another name
+        def __init__(self, distribute_strategy=None, *args, **kwargs):
+            self._dataset = None
 
     trainer = _trainer()
-    monkeypatch.setattr(trainer, "TFEpochIterator", Keras35EpochIterator)
-    with pytest.raises(_patch.CompatError, match="TFEpochIterator has no __iter__, __next__"):
+    monkeypatch.setattr(trainer, "TFEpochIterator", OtherEpochIterator)
+    with pytest.raises(_patch.CompatError, match="no longer keeps its dataset in "
+                                                 "self._distributed_dataset"):
         keras_build.SYMBOLIC_BUILD_FIX.check(
             trainer.TensorFlowTrainer._maybe_symbolic_build)
 
 
-def test_steps_of_keras_3_10_and_3_11_both_unpack_and_others_are_refused():
-    data = iter([1, 2])
-    assert keras_build._data_iterator((0, data)) is data  # Keras 3.10
-    assert keras_build._data_iterator((0, 0, data)) is data  # Keras >= 3.11.3
-    with pytest.raises(_patch.CompatError, match=r"yielded tuple \(0, 1\).*expects a tuple "
-                                                 r"ending with the data iterator"):
-        keras_build._data_iterator((0, 1))
+def test_the_build_reads_per_replica_specs_and_refuses_another_dataset():
+    import tensorflow as tf
+
+    class Iterator:
+        _distributed_dataset = tf.data.Dataset.range(3)  # not distributed
+
+    with pytest.raises(_patch.CompatError, match="holds _?RangeDataset in _distributed_dataset, "
+                                                 "not a tf.distribute.DistributedDataset"):
+        keras_build.replica_batch_spec(Iterator())
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # a PerReplicaSpec
+    dataset = tf.data.Dataset.from_tensors(({"ids": tf.zeros([4, 3], tf.int32)},
+                                            tf.constant(["a"] * 4))).batch(2)
+    Iterator._distributed_dataset = strategy.experimental_distribute_dataset(dataset)
+    spec = keras_build.replica_batch_spec(Iterator())
+    assert spec[0]["ids"].shape.as_list() == [None, 4, 3]  # one replica's: None, not 2
+    assert spec[0]["ids"].dtype == tf.int32 and spec[1].dtype == tf.string

@@ -28,6 +28,7 @@ PROGRAMS = (
     "custom_losses_metrics",
     "endpoint_layer",
     "class_sample_weights",
+    "py_dataset_input",
     "multi_input_output",
     "built_in_callbacks",
     "custom_callbacks",
@@ -57,6 +58,7 @@ PUSH_SUBSET = (
     "built_in_training",                 # NumPy and shuffled tf.data input; evaluate, predict
     "custom_losses_metrics",             # custom losses, a metric returning its variable, add_loss
     "endpoint_layer",                    # add_loss of a Loss object
+    "py_dataset_input",                  # a PyDataset (shuffled, in threads) and a generator
     "custom_callbacks",                  # every callback hook; set_weights, learning rate
     "vae_train_step",                    # train_step without call()
     "serialization_and_saving",          # save, reload, weights, export (files on 2 workers)

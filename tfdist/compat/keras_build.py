@@ -16,9 +16,25 @@
      list of allowed values" (tensorflow/tensorflow#80951), under a plain
      `MirroredStrategy` too.
 
-   The symbolic build only reads shapes and dtypes, which every local replica's
-   batch has, so the replacement takes the first local replica's batch: no
-   reduce, no cross-worker traffic, any dtype.
+   Pulling that first batch is a defect of its own: Keras opens a new
+   iterator over the distributed dataset for it, on every `fit` and
+   `evaluate` call (and every epoch's validation), and drops it. Where the
+   input is Python code, what that iterator read is gone: a generator's first
+   batches (what its prefetch took: 16 batches trained 13 steps under a
+   2-replica `MirroredStrategy`, "Your input ran out of data"), and a shuffled
+   `keras.utils.PyDataset` draws its order from Python's `random` once more,
+   so every epoch's order differs from one device's; a `tf.data` pipeline
+   that shuffles advances its seed the same way, and fills its shuffle buffer
+   once more. With a generator, a PyDataset or a shuffled dataset the run
+   then differs from one device's with the same seed (found by
+   tests/programs/py_dataset_input.py; no upstream issue found).
+
+   The symbolic build only reads shapes and dtypes (`Trainer._symbolic_build`
+   makes a `KerasTensor(v.shape, v.dtype)` of each value), so the replacement
+   reads nothing: it takes one replica's `TypeSpec`s from the distributed
+   dataset's `element_spec` (the first of a `PerReplicaSpec`'s). No batch is
+   read, no reduce, no cross-worker traffic, any dtype; the batch dimension
+   is what the traced step will see (None where the dataset does not fix it).
 
    A model with no `call` of its own (keras.io's VAE and GAN: a `keras.Model`
    subclass holding sub-models, with its own `train_step`) cannot be built
@@ -28,10 +44,11 @@
    replacement does the same for these models under a tfdist strategy (under
    `parameter_server`, `tfdist.ps.CoordinatorTrainer.build` builds models
    itself, not through this method, and skips them the same way).
-   Shape relied on: the epoch iterator is iterable and yields tuples whose last
-   item is the data iterator (Keras 3.10 yields `(step, iterator)`, 3.11.3 and
-   later `(begin_step, end_step, iterator)`; both work); `keras.Model.call` is
-   the placeholder subclasses override.
+   Shape relied on: Keras's epoch iterator keeps its distributed dataset in
+   `_distributed_dataset` (`TFEpochIterator.__init__`, Keras 3.10-3.15), a
+   `tf.distribute.DistributedDataset` whose `element_spec` holds a
+   `PerReplicaSpec` (its specs in `_value_specs`) where a worker has several
+   replicas; `keras.Model.call` is the placeholder subclasses override.
 
 2. `keras_build.optimizer_variables` replaces `TFOptimizer.add_variable`
    (inherited from `BaseOptimizer`). An optimizer built while a step is traced
@@ -58,7 +75,8 @@ import inspect
 from tfdist.compat import _owner, _patch
 
 UPSTREAM_ISSUE = ("keras-team/keras#20585 (several workers), tensorflow/tensorflow#80951 "
-                  "(string and bool inputs)")
+                  "(string and bool inputs); the first batch read for the build (no issue "
+                  "found)")
 SYMBOLIC_BUILD = "keras_build.symbolic_build"
 OPTIMIZER_VARIABLES = "keras_build.optimizer_variables"
 OPTIMIZER_ISSUE = "keras-team/keras#23085 (fixed by keras-team/keras#23087 after Keras 3.15.1)"
@@ -75,16 +93,44 @@ def _check_symbolic_build(original) -> None:
     _patch.require_attributes(trainer.TensorFlowTrainer, "_symbolic_build",
                               what="TensorFlowTrainer")
     _patch.require_attributes(_model_class(), "call", what="keras.Model")
-    # What the replacement iterates: Keras's epoch iterator, one step at a time.
-    epoch_iterator = trainer.TFEpochIterator
-    _patch.require_attributes(epoch_iterator, "__iter__", "__next__", "_enumerate_iterator",
-                              what="TFEpochIterator")
-    if not inspect.isgeneratorfunction(
-            _patch._unwrap_descriptor(inspect.getattr_static(epoch_iterator,
-                                                             "_enumerate_iterator"))):
+    # What the replacement reads: the epoch iterator's distributed dataset, and the
+    # per-replica specs of its elements.
+    init = inspect.getsource(inspect.unwrap(trainer.TFEpochIterator.__init__))
+    if "self._distributed_dataset" not in init:
         raise _patch.CompatError(
-            "TFEpochIterator._enumerate_iterator is no longer a generator of steps; the tfdist "
-            f"fix {SYMBOLIC_BUILD!r} iterates it. See tfdist.compat.SUPPORTED.")
+            "TFEpochIterator.__init__ no longer keeps its dataset in self._distributed_dataset; "
+            f"the tfdist fix {SYMBOLIC_BUILD!r} reads its element_spec. See "
+            "tfdist.compat.SUPPORTED.")
+    spec = _per_replica_spec_class()(_tf().TensorSpec([1]), _tf().TensorSpec([1]))
+    _patch.require_attributes(spec, "_value_specs", what="PerReplicaSpec")
+
+
+def _tf():
+    from tfdist._tf import import_tensorflow
+
+    return import_tensorflow()
+
+
+def _per_replica_spec_class():
+    return _patch.upstream("tensorflow.python.distribute.values.PerReplicaSpec")
+
+
+def replica_batch_spec(iterator):
+    """One replica's batch as `TypeSpec`s (each has the shape and dtype the symbolic
+    build reads), from the element spec of `iterator`'s distributed dataset: nothing is
+    read from the data."""
+    tf = _tf()
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if not isinstance(dataset, tf.distribute.DistributedDataset):
+        raise _patch.CompatError(
+            f"tfdist fix {SYMBOLIC_BUILD!r}: Keras's epoch iterator "
+            f"({type(iterator).__name__}) holds {type(dataset).__name__} in "
+            "_distributed_dataset, not a tf.distribute.DistributedDataset. This Keras version "
+            "is outside what tfdist supports: see tfdist.compat.SUPPORTED.")
+    per_replica = _per_replica_spec_class()
+    return tf.nest.map_structure(
+        lambda spec: spec._value_specs[0] if isinstance(spec, per_replica) else spec,
+        dataset.element_spec)
 
 
 def _model_class():
@@ -98,23 +144,7 @@ def has_own_call(model) -> bool:
     return type(model).call is not _model_class().call
 
 
-def _data_iterator(step):
-    """The data iterator in one item of Keras's epoch iterator (a tuple ending with it)."""
-    if isinstance(step, tuple) and step and hasattr(step[-1], "__next__"):
-        return step[-1]
-    raise _patch.CompatError(
-        f"tfdist fix {SYMBOLIC_BUILD!r} ({UPSTREAM_ISSUE}): Keras's epoch iterator yielded "
-        f"{type(step).__name__} {step!r:.80}; the fix expects a tuple ending with the data "
-        "iterator ((step, iterator) in Keras 3.10, (begin, end, iterator) from 3.11.3). This "
-        "Keras version is outside what tfdist supports: see tfdist.compat.SUPPORTED.")
-
-
 def _make_symbolic_build(original):
-    from tfdist._tf import import_tensorflow
-
-    tf = import_tensorflow()
-    from keras import tree
-
     def applies(self, iterator=None, data_batch=None):
         return _owner.owns(self._distribute_strategy)
 
@@ -124,17 +154,10 @@ def _make_symbolic_build(original):
             # Nothing to run symbolically: the model and its optimizers are built while
             # the first step is traced, as Keras does without a strategy.
             return
-        strategy = self._distribute_strategy
         if iterator is not None:
-            for step in iterator:
-                batch = next(_data_iterator(step))
-                # Shapes and dtypes are all the build needs: no reduce, any dtype.
-                data_batch = tree.map_structure(
-                    lambda v: (strategy.experimental_local_results(v)[0]
-                               if isinstance(v, tf.distribute.DistributedValues) else v),
-                    batch)
-                break
-        with strategy.scope():
+            # Shapes and dtypes are all the build needs: nothing read, no reduce, any dtype.
+            data_batch = replica_batch_spec(iterator)
+        with self._distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
 
     return _maybe_symbolic_build
