@@ -461,6 +461,7 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
     links: dict[tuple, dict] = {}
     loads = [os.getloadavg()[0]]
     port = 47100
+    configs = [(model, method) for model in models for method in methods]
     for n in nodes:
         with NetLab(n) as lab:
             if on_lab is not None:
@@ -470,73 +471,102 @@ def run(nodes, rates, models, methods, *, steps: int, bucket_bytes: int = BUCKET
                 probe = lab.probe(pings=50, total_bytes=int(min(16 << 20,
                                                                 rate * 1e9 * RATE_SCALE / 16)))
                 link = None
-                configs = [(model, method) for model in models for method in methods]
-                for r in range(rounds):
-                    shift = r % len(configs)
-                    for model, method in configs[shift:] + configs[:shift]:
-                        if (n, rate, model, method) in failed:
-                            continue
-                        port += 1  # a fresh port: the last run's may still be in TIME_WAIT
-                        options = dict(METHODS[method])
-                        if "bucket_bytes" in options:
-                            options["bucket_bytes"] = bucket_bytes
-                        config = {"model": model, "method": method, "options": options,
-                                  "steps": steps, "inter_op": inter_op,
-                                  "calibrate": 0 if link else max(3, steps // 2),
-                                  "digits_epochs": digits_epochs
-                                  if model == "mlp" and r == 0 else 0}
-                        try:
-                            result = _run_workers(lab, config, port)
-                        except RuntimeError as e:  # the other configurations still run
-                            failed[(n, rate, model, method)] = (
-                                f"round {r + 1}/{rounds}: {e}" if rounds > 1 else str(e))
-                            log(f"  {model} {method}: {e}")
-                            continue
-                        if link is None:
-                            points = result["calibration"]
-                            link = planning.fit_alpha_beta(points, n)
-                            links[(n, rate)] = {"probe": probe, "points": points, "link": link}
-                            log(f"{n} nodes, {rate:g} Gbit/s-eq ({rate * RATE_SCALE * 1e3:g} "
-                                f"Mbit/s): one TCP stream {probe['bytes_per_second'] * 8 / 1e6:.0f}"
-                                f" Mbit/s, RTT {probe['rtt_seconds'] * 1e6:.0f} us; all-reduce "
-                                f"alpha {link.latency * 1e3:.2f} ms, "
-                                f"{link.bandwidth / 1e6:.2f} MB/s (all-reduce "
-                                + ", ".join(f"{size >> 10} KiB {seconds * 1e3:.2f} ms"
-                                            for size, seconds in points) + ")")
-                        result.update(_predict(result, method, n, link))
-                        measured.setdefault((n, rate, model, method), []).append(result)
-                        if "digits_accuracy" in result:
-                            accuracy[(n, rate, model, method)] = {
-                                k: v for k, v in result.items() if k.startswith("digits_")}
-                            log(f"  {model} {method}: digits accuracy "
-                                f"{result['digits_accuracy']:.4f} after "
-                                f"{result['digits_epochs']} epochs "
-                                f"({result['digits_steps']} steps, "
-                                f"{result['digits_seconds']:.1f} s: epochs "
-                                + ", ".join(f"{x:.1f}" for x in result["digits_epoch_seconds"])
-                                + f" s, median step {result['digits_step_seconds'] * 1e3:.0f} "
-                                f"ms; wire "
-                                f"{result['digits_wire_bytes_per_step'] / 1e6:.3f} MB/step)")
-                        loads.append(os.getloadavg()[0])
-                        log(f"  round {r + 1}/{rounds} {model} {method}: step "
-                            f"{result['step_seconds'] * 1e3:.1f} ms "
-                            f"(predicted {result['predicted_step'] * 1e3:.1f}), compute "
-                            f"{result['compute_seconds'] * 1e3:.1f} ms, exchange "
-                            f"{result['comm_seconds'] * 1e3:.1f} ms, wire "
-                            f"{result['wire_bytes_per_step'] / 1e6:.3f} MB, hidden "
-                            f"{hidden_share(result):.2f}")
+                for r, model, method in _interleaved(configs, rounds):
+                    key = (n, rate, model, method)
+                    if key in failed:
+                        continue
+                    port += 1  # a fresh port: the last run's may still be in TIME_WAIT
+                    config = _config(model, method, r, steps=steps, inter_op=inter_op,
+                                     bucket_bytes=bucket_bytes, digits_epochs=digits_epochs,
+                                     calibrate=link is None)
+                    try:
+                        result = _run_workers(lab, config, port)
+                    except RuntimeError as e:  # the other configurations still run
+                        failed[key] = f"round {r + 1}/{rounds}: {e}" if rounds > 1 else str(e)
+                        log(f"  {model} {method}: {e}")
+                        continue
+                    if link is None:
+                        points = result["calibration"]
+                        link = planning.fit_alpha_beta(points, n)
+                        links[(n, rate)] = {"probe": probe, "points": points, "link": link}
+                        log(_link_line(n, rate, probe, link, points))
+                    result.update(_predict(result, method, n, link))
+                    measured.setdefault(key, []).append(result)
+                    if "digits_accuracy" in result:
+                        accuracy[key] = {k: v for k, v in result.items()
+                                         if k.startswith("digits_")}
+                        log(_digits_line(model, method, result))
+                    loads.append(os.getloadavg()[0])
+                    log(_round_line(r, rounds, model, method, result))
     load = (f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
-    rounds_of = dict(measured)
-    measured = {k: sorted(v, key=lambda x: x["step_seconds"])[(len(v) - 1) // 2]
-                for k, v in measured.items()}
-    for k, r in measured.items():
-        r.update(accuracy.get(k, {}))
-        r["round_steps"] = [x["step_seconds"] for x in rounds_of[k]]
-        r["round_hidden"] = [(hidden_share(x), x["compute_seconds"], x["comm_seconds"])
-                             for x in rounds_of[k]]
     return [row(f"cluster/{n} nodes/{rate:g} Gbit/s-eq/{model}/{method}: failed", float("nan"),
                 "-", error) for (n, rate, model, method), error in failed.items()
-            ] + _rows(measured, links, load, steps, bucket_bytes, row, rounds)
+            ] + _rows(_median_rounds(measured, accuracy), links, load, steps, bucket_bytes, row,
+                      rounds)
+
+
+def _interleaved(configs: list, rounds: int):
+    """(round, model, method) for every round of every configuration, the order rotated by
+    one configuration from round to round."""
+    for r in range(rounds):
+        shift = r % len(configs)
+        for model, method in configs[shift:] + configs[:shift]:
+            yield r, model, method
+
+
+def _config(model: str, method: str, r: int, *, steps: int, inter_op: int, bucket_bytes: int,
+            digits_epochs: int, calibrate: bool) -> dict:
+    """What the workers of one configuration's round are told (`_run_workers`)."""
+    options = dict(METHODS[method])
+    if "bucket_bytes" in options:
+        options["bucket_bytes"] = bucket_bytes
+    return {"model": model, "method": method, "options": options, "steps": steps,
+            "inter_op": inter_op, "calibrate": max(3, steps // 2) if calibrate else 0,
+            # digits once per mlp configuration, in its first round
+            "digits_epochs": digits_epochs if model == "mlp" and r == 0 else 0}
+
+
+def _median_rounds(measured: dict, accuracy: dict) -> dict:
+    """Each configuration's median-step round, with its digits accuracy and every round's
+    step and hidden share."""
+    kept = {}
+    for key, rounds in measured.items():
+        result = sorted(rounds, key=lambda x: x["step_seconds"])[(len(rounds) - 1) // 2]
+        result.update(accuracy.get(key, {}))
+        result["round_steps"] = [x["step_seconds"] for x in rounds]
+        result["round_hidden"] = [(hidden_share(x), x["compute_seconds"], x["comm_seconds"])
+                                  for x in rounds]
+        kept[key] = result
+    return kept
+
+
+def _link_line(n: int, rate: float, probe: dict, link, points) -> str:
+    return (f"{n} nodes, {rate:g} Gbit/s-eq ({rate * RATE_SCALE * 1e3:g} "
+            f"Mbit/s): one TCP stream {probe['bytes_per_second'] * 8 / 1e6:.0f}"
+            f" Mbit/s, RTT {probe['rtt_seconds'] * 1e6:.0f} us; all-reduce "
+            f"alpha {link.latency * 1e3:.2f} ms, "
+            f"{link.bandwidth / 1e6:.2f} MB/s (all-reduce "
+            + ", ".join(f"{size >> 10} KiB {seconds * 1e3:.2f} ms"
+                        for size, seconds in points) + ")")
+
+
+def _digits_line(model: str, method: str, result: dict) -> str:
+    return (f"  {model} {method}: digits accuracy {result['digits_accuracy']:.4f} after "
+            f"{result['digits_epochs']} epochs ({result['digits_steps']} steps, "
+            f"{result['digits_seconds']:.1f} s: epochs "
+            + ", ".join(f"{x:.1f}" for x in result["digits_epoch_seconds"])
+            + f" s, median step {result['digits_step_seconds'] * 1e3:.0f} ms; wire "
+            f"{result['digits_wire_bytes_per_step'] / 1e6:.3f} MB/step)")
+
+
+def _round_line(r: int, rounds: int, model: str, method: str, result: dict) -> str:
+    return (f"  round {r + 1}/{rounds} {model} {method}: step "
+            f"{result['step_seconds'] * 1e3:.1f} ms "
+            f"(predicted {result['predicted_step'] * 1e3:.1f}), compute "
+            f"{result['compute_seconds'] * 1e3:.1f} ms, exchange "
+            f"{result['comm_seconds'] * 1e3:.1f} ms, wire "
+            f"{result['wire_bytes_per_step'] / 1e6:.3f} MB, hidden "
+            f"{hidden_share(result):.2f}")
 
 
 def _rows(measured: dict, links: dict, load: str, steps: int, bucket_bytes: int,
