@@ -390,8 +390,9 @@ COMMON_FEATURES: tuple[Feature, ...] = (
     Feature("optimizer_update", "duplicate sparse-gradient indices summed, clipping after the "
             "all-reduce, gradient accumulation; the update runs the strategy's GradientSync",
             when="always", fixes=("optimizer_update",), attach=_installs("optimizer_update")),
-    Feature("keras_build", "the symbolic build reads the first local replica's batch (no "
-            "reduce: several workers, string and bool inputs)",
+    Feature("keras_build", "the symbolic build reads shapes and dtypes from the dataset's "
+            "element spec: no batch read (generators, shuffled input), no reduce (several "
+            "workers, string and bool inputs)",
             when="always", fixes=("keras_build",), attach=_installs("keras_build")),
     Feature("batch_norm", "BatchNormalization's replica copies stay equal; global-batch "
             "statistics with sync_batch_norm", when="always", fixes=("batch_norm",),
