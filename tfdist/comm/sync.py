@@ -243,18 +243,19 @@ class CommSync(sync_lib.GradientSync):
 
     def _layout(self, grads: list, layers: list | None, *, split: bool = True) -> list:
         """`tfdist.comm.buckets.layout` of `grads` (sending order), in float32-equivalent
-        bytes: fp16/bf16 buckets are counted by the gradients' own bytes."""
-        return buckets_lib.layout(
+        bytes: fp16/bf16 buckets are counted by the gradients' own bytes. Warns where the
+        buckets are many and small (`warn_if_many`)."""
+        buckets = buckets_lib.layout(
             [g.shape.num_elements() if g.shape.is_fully_defined() else 0 for g in grads],
             self.bucket_bytes, layers=layers, bytes_per_element=[g.dtype.size for g in grads],
             split=split)
+        self.warn_if_many(buckets, grads)
+        return buckets
 
     def _ordered(self, buckets: list, grads: list) -> list:
         """`buckets` (of `grads`, in sending order), after making the backward pass compute
         each bucket's gradients before it moves on (tfdist.compat.backward_priority), where
-        bucket_priority asks for it and there is more than one bucket. Warns where the
-        buckets are many and small (`warn_if_many`)."""
-        self.warn_if_many(buckets, grads)
+        bucket_priority asks for it and there is more than one bucket."""
         if self.bucket_priority and len(buckets) > 1:
             backward_priority.prioritise(
                 [[grads[segment.item] for segment in bucket] for bucket in buckets])
@@ -266,8 +267,9 @@ class CommSync(sync_lib.GradientSync):
         the collective's latency once per bucket. With a small `bucket_bytes` a model's
         step can slow several-fold (and its trace take minutes) without an error to say
         why."""
-        total = sum(segment_bytes(grads[segment.item], segment)
-                    for bucket in buckets for segment in bucket)
+        # Every element of every gradient is in exactly one bucket.
+        total = sum(g.shape.num_elements() * g.dtype.size for g in grads
+                    if g.shape.is_fully_defined())
         count = len(buckets)
         if count <= MANY_BUCKETS or total >= count * SMALL_BUCKET_BYTES \
                 or (count, total) in self._warned:
@@ -338,14 +340,6 @@ class CommSync(sync_lib.GradientSync):
             out[i] = tf.cast(tf.reshape(approx, tf.shape(grads[i])), grads[i].dtype)
         with tf.control_dependencies(updates):
             return [tf.identity(g) for g in out]
-
-
-def segment_bytes(grad: Any, segment: buckets_lib.Segment) -> int:
-    """The bytes of `segment` of `grad` (0 where its size is not known)."""
-    if not grad.shape.is_fully_defined():
-        return 0
-    stop = grad.shape.num_elements() if segment.stop is None else segment.stop
-    return (stop - segment.start) * grad.dtype.size
 
 
 def _initial_q(columns: int, rank: int, index: int) -> np.ndarray:

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import inspect
 
+from tfdist._tf import import_tensorflow
 from tfdist.compat import _owner, _patch
 
 UPSTREAM_ISSUE = ("keras-team/keras#20585 (several workers), tensorflow/tensorflow#80951 "
@@ -101,14 +102,9 @@ def _check_symbolic_build(original) -> None:
             "TFEpochIterator.__init__ no longer keeps its dataset in self._distributed_dataset; "
             f"the tfdist fix {SYMBOLIC_BUILD!r} reads its element_spec. See "
             "tfdist.compat.SUPPORTED.")
-    spec = _per_replica_spec_class()(_tf().TensorSpec([1]), _tf().TensorSpec([1]))
+    tf = import_tensorflow()
+    spec = _per_replica_spec_class()(tf.TensorSpec([1]), tf.TensorSpec([1]))
     _patch.require_attributes(spec, "_value_specs", what="PerReplicaSpec")
-
-
-def _tf():
-    from tfdist._tf import import_tensorflow
-
-    return import_tensorflow()
 
 
 def _per_replica_spec_class():
@@ -119,7 +115,7 @@ def replica_batch_spec(iterator):
     """One replica's batch as `TypeSpec`s (each has the shape and dtype the symbolic
     build reads), from the element spec of `iterator`'s distributed dataset: nothing is
     read from the data."""
-    tf = _tf()
+    tf = import_tensorflow()
     dataset = getattr(iterator, "_distributed_dataset", None)
     if not isinstance(dataset, tf.distribute.DistributedDataset):
         raise _patch.CompatError(
@@ -189,8 +185,6 @@ def _check_optimizer_variables(original) -> None:
 
 
 def _make_optimizer_variables(original):
-    from tfdist._tf import import_tensorflow
-
     tf = import_tensorflow()
 
     def applies(self, *args, **kwargs):
