@@ -50,6 +50,13 @@ class GradientSync:
     #: decide alone).
     reduces_before_loss_scale = False
 
+    #: `reduce_counted` sums each replica's example count in the collective that sums its
+    #: gradients, so a step whose replicas hold different numbers of examples (an epoch's
+    #: last, partial batch) averages over examples as one device does
+    #: (`sum_over_replicas`). Off unless a sync implements it: the replicas' means are
+    #: then averaged with equal weights, as TensorFlow's strategies do.
+    weights_examples = False
+
     def reduce(self, optimizer: Any, grads_and_vars: GradsAndVars,
                keras_all_reduce: Callable[[GradsAndVars], GradsAndVars]) -> GradsAndVars:
         """The all-reduced (summed over replicas) gradients, duplicates summed.
@@ -59,6 +66,14 @@ class GradientSync:
         summing = sums_duplicates(optimizer)
         return [(sum_duplicate_indices(g) if summing else g, v)
                 for g, v in keras_all_reduce(grads_and_vars)]
+
+    def reduce_counted(self, optimizer: Any, grads_and_vars: GradsAndVars, count: Any,
+                       keras_all_reduce: Callable[[GradsAndVars], GradsAndVars]
+                       ) -> tuple[GradsAndVars, Any]:
+        """`reduce`, with the float32 scalar `count` summed over replicas by a collective it
+        already runs (no collective of its own). Returns (reduced, summed count). Only
+        called where `weights_examples` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not weight examples")
 
     def apply(self, optimizer: Any, grads_and_vars: GradsAndVars, learning_rate: Any,
               keras_apply: Callable[[GradsAndVars, Any], None]) -> None:
@@ -70,6 +85,14 @@ class _KerasSum(GradientSync):
     """Keras's own all-reduce (a sum over replicas), duplicate sparse indices summed."""
 
     reduces_before_loss_scale = True
+    weights_examples = True
+
+    def reduce_counted(self, optimizer, grads_and_vars, count, keras_all_reduce):
+        # Keras's all-reduce sums every dense value it is given in one packed collective
+        # and never reads the variable of a pair: the count rides along as one more value.
+        reduced = self.reduce(optimizer, list(grads_and_vars) + [(count, None)],
+                              keras_all_reduce)
+        return reduced[:-1], reduced[-1][0]
 
 
 DEFAULT_SYNC = _KerasSum()
@@ -133,3 +156,58 @@ def sum_duplicate_indices(gradient: Any) -> Any:
     unique, positions = tf.unique(gradient.indices)
     values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(unique)[0])
     return tf.IndexedSlices(values, unique, gradient.dense_shape)
+
+
+def sum_over_replicas(sync: GradientSync, optimizer: Any, grads_and_vars: GradsAndVars,
+                      keras_all_reduce: Callable[[GradsAndVars], GradsAndVars], *,
+                      examples: Any = None, replicas: int = 0) -> list:
+    """`sync.reduce` of one replica's gradients, as a mean over the step's examples.
+
+    Inside `fit`'s step under a tfdist mirrored / multi_worker_mirrored strategy, each
+    replica's gradient arrives as the gradient of the mean loss over its own examples,
+    times 1/`replicas` (tfdist.compat.keras_losses). Summed, that averages the replicas'
+    means: right where every replica holds as many examples as the others, and not for a
+    batch split unevenly, where one device takes the mean over all of them. An epoch's
+    last batch of 25 on 2 replicas is 13 + 12 (each of the 12 then weighs 1/24 instead of
+    1/25); 2 workers that read their own shard can end an epoch on 32 + 8.
+
+    With `examples` (this replica's example count, a scalar tensor) and a sync that
+    `weights_examples`, each gradient is multiplied by examples x replicas (the sum over
+    this replica's examples), summed together with the count in the collective that sums
+    the gradients anyway, and divided by the summed count: the mean over every example of
+    the step, as one device computes it, at no extra collective. With equal shares the
+    factor is the summed count, so the result is the unweighted one up to rounding (the
+    same bits for a power-of-two batch). Left unweighted (equal weights per replica, as
+    TensorFlow's strategies do): syncs that do not implement it (ZeRO-3, PowerSGD,
+    fp16/bf16 compression, a user's own), gradients other than float32, optimizers with
+    variables whose "gradient" is a new value (`overwrite_with_gradient`, float8 scales),
+    and updates outside the step's replica thread (no `examples`).
+    """
+    grads_and_vars = list(grads_and_vars)
+    if examples is None or replicas < 2 or not sync.weights_examples:
+        return list(sync.reduce(optimizer, grads_and_vars, keras_all_reduce))
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    present = [g for g, _ in grads_and_vars if g is not None]
+    if (not present
+            or any((g.values if isinstance(g, tf.IndexedSlices) else g).dtype != tf.float32
+                   for g in present)
+            or any(getattr(v, "overwrite_with_gradient", False)
+                   for v in getattr(optimizer, "_trainable_variables", None) or ())):
+        return list(sync.reduce(optimizer, grads_and_vars, keras_all_reduce))
+    count = tf.cast(examples, tf.float32)
+
+    def scaled(gradient, scale):
+        if gradient is None:
+            return None
+        if isinstance(gradient, tf.IndexedSlices):
+            return tf.IndexedSlices(scale(gradient.values), gradient.indices,
+                                    gradient.dense_shape)
+        return scale(tf.convert_to_tensor(gradient))
+
+    weight = count * float(replicas)
+    summed, total = sync.reduce_counted(
+        optimizer, [(scaled(g, lambda t: t * weight), v) for g, v in grads_and_vars],
+        count, keras_all_reduce)
+    return [(scaled(g, lambda t: tf.math.divide_no_nan(t, total)), v) for g, v in summed]

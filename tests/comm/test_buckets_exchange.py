@@ -51,8 +51,10 @@ def test_buckets_follow_layers_and_the_planner_counts_them(monkeypatch):
     # 4 buckets: not many (the negative control of the warning below)
     assert not [w for w in caught if "buckets" in str(w.message)]
     # dense (1320 bytes) and conv2d_3 (36,992) share the first bucket; every other layer
-    # is a bucket of its own: the bias of the layer below waits for its own layer.
-    assert [sum(c) for c in calls] == [38312, 36992, 36992, 18560]
+    # is a bucket of its own: the bias of the layer below waits for its own layer. The
+    # first bucket also carries the replica's example count (4 bytes, float32:
+    # tfdist.sync.sum_over_replicas), so weighting by examples adds no collective.
+    assert [sum(c) for c in calls] == [38312 + 4, 36992, 36992, 18560]
     variables = model.trainable_variables
     layers = [buckets.layer_of(v) for v in variables]
     assert len(set(layers)) == 5 and None not in layers
@@ -65,7 +67,7 @@ def test_without_the_layers_the_first_bucket_takes_the_bias_below(monkeypatch):
     # Negative control: with the layers forgotten, each gradient is its own layer, as
     # tfdist laid buckets out before, and the first bucket takes conv2d_2's bias too.
     calls, _ = _exchange(monkeypatch, 40000, forget_layers=True)
-    assert sum(calls[0]) == 38312 + 128
+    assert sum(calls[0]) == 38312 + 128 + 4
 
 
 @pytest.mark.timeout(300)

@@ -439,8 +439,41 @@ class Jit:
         return tf.data.Dataset.from_tensor_slices((x, x[:, :1] * x[:, 1:2])).batch(GLOBAL_BATCH)
 
 
+class PartialBatch:
+    """A dataset whose size is not a multiple of the batch: the last batch, 5 examples, is
+    split 3 + 2 between the replicas (and the workers). One device takes the mean over the 5;
+    tfdist weights each replica's gradient by its examples (tfdist.sync.sum_over_replicas).
+    keras.io's guides hit it wherever a dataset (or `validation_split`'s remainder) is not a
+    multiple of the batch size. Also under bucketed all-reduce (the `buckets` preset:
+    `bucket_bytes=64`), which carries the count in its first bucket."""
+
+    name = "partial_batch"
+    presets = ("mirrored", "zero1", "zero2", "buckets", "stock")
+    worker_presets = ("mwms", "zero2")
+
+    def build(self):
+        import keras
+
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(1)])
+
+    def compile(self, model):
+        import keras
+
+        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
+
+    def data(self):
+        import numpy as np
+        import tensorflow as tf
+
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal((2 * GLOBAL_BATCH + 5, 5)).astype("float32")
+        return tf.data.Dataset.from_tensor_slices((x, 2 * x[:, :1] + x[:, 1:2])).batch(
+            GLOBAL_BATCH)
+
+
 PATTERNS = {p.name: p for p in (StringInput(), BoolMask(), VAE(), GAN(), TruePositives(),
-                                AddLoss(), Jit("auto"), Jit(True))}
+                                AddLoss(), Jit("auto"), Jit(True), PartialBatch())}
 
 
 # --- running one pattern under one strategy ----------------------------------------------
@@ -532,6 +565,7 @@ def mirrored() -> dict:
                                       shard_min_bytes=0),
         "zero2": tfdist.make_strategy("mirrored", num_devices=2, shard="gradients",
                                       shard_min_bytes=0),
+        "buckets": tfdist.make_strategy("mirrored", num_devices=2, bucket_bytes=64),
         # Negative control: Keras as released, under TensorFlow's own strategy.
         "stock": tf.distribute.MirroredStrategy(
             ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()),
@@ -575,6 +609,16 @@ def mirrored() -> dict:
         keras_build.install()
         keras_losses.install()
         keras_xla.install()
+    # The partial batch with each replica's mean weighted equally (as before the weighting).
+    from tfdist import sync as sync_lib
+
+    sync_lib._KerasSum.weights_examples = False
+    try:
+        compare(results, "partial_batch", "unweighted",
+                run(PATTERNS["partial_batch"], strategies["mirrored"], initials["partial_batch"]),
+                references["partial_batch"])
+    finally:
+        sync_lib._KerasSum.weights_examples = True
     _lap(results, "controls")
     return results
 

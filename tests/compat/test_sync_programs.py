@@ -103,6 +103,17 @@ def test_losses_negative_controls_differ_from_one_device(mirrored):
 
 
 @pytest.mark.timeout(900)
+def test_partial_batch_negative_controls_differ_from_one_device(mirrored):
+    # The last batch, 3 + 2 examples: averaging the two replicas' means (stock TensorFlow, and
+    # tfdist with the example weighting switched off) gives the 2 examples the weight of 3.
+    for key in ("partial_batch.stock", "partial_batch.unweighted"):
+        assert mirrored[f"{key}.vs_one_device"] > 1e-3, (key, mirrored[f"{key}.vs_one_device"])
+    # One epoch: the partial batch is the last step, so the weights it updates show in
+    # evaluate (the logged loss was computed before that update).
+    assert mirrored["partial_batch.unweighted.evaluate_vs_one_device"] > TOLERANCE
+
+
+@pytest.mark.timeout(900)
 def test_xla_is_off_with_one_warning_where_it_cannot_compile(mirrored):
     # Left to Keras ("auto"), XLA is off on a CPU-only machine and under any strategy.
     assert mirrored["xla_auto.one_device.jit_compile"] is False

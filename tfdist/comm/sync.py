@@ -161,8 +161,24 @@ class CommSync(sync_lib.GradientSync):
 
     # -- the exchange ----------------------------------------------------------------
 
+    @property
+    def weights_examples(self) -> bool:
+        """The example count rides in an uncompressed collective (tfdist.sync.sum_over_replicas):
+        not with fp16/bf16 (a count above 2048 or 256 is not exact there) or PowerSGD."""
+        return self.compression == "none"
+
     def reduce(self, optimizer: Any, grads_and_vars,
                keras_all_reduce: Callable) -> list:
+        return self._reduce(optimizer, grads_and_vars, keras_all_reduce)[0]
+
+    def reduce_counted(self, optimizer: Any, grads_and_vars, count: Any,
+                       keras_all_reduce: Callable) -> tuple[list, Any]:
+        return self._reduce(optimizer, grads_and_vars, keras_all_reduce, count)
+
+    def _reduce(self, optimizer: Any, grads_and_vars, keras_all_reduce: Callable,
+                count: Any = None) -> tuple[list, Any]:
+        """(reduced grads_and_vars, `count` summed in the first dense collective, or in the
+        sparse one where there is no dense gradient; None without a count)."""
         tf = import_tensorflow()
         grads_and_vars = list(grads_and_vars)
         out: list = list(grads_and_vars)
@@ -170,8 +186,12 @@ class CommSync(sync_lib.GradientSync):
                   if isinstance(g, tf.IndexedSlices)]
         dense = [i for i, (g, _) in enumerate(grads_and_vars)
                  if g is not None and not isinstance(g, tf.IndexedSlices)]
+        total = None
         if sparse:
-            reduced = keras_all_reduce([grads_and_vars[i] for i in sparse])
+            counted = [] if count is None or dense else [(count, None)]
+            reduced = list(keras_all_reduce([grads_and_vars[i] for i in sparse] + counted))
+            if counted:
+                total = reduced.pop()[0]
             summing = sync_lib.sums_duplicates(optimizer)
             for i, (g, v) in zip(sparse, reduced):
                 out[i] = (sync_lib.sum_duplicate_indices(g) if summing else g, v)
@@ -190,13 +210,18 @@ class CommSync(sync_lib.GradientSync):
                 variables = [grads_and_vars[i][1] for i in indices]
                 for i, g in zip(indices, self._powersgd(optimizer, grads, variables)):
                     out[i] = (g, grads_and_vars[i][1])
-            return out
-        summed = self.sum_dense([grads_and_vars[i][0] for i in dense], [layers[i] for i in dense])
+            return out, total
+        extra = [] if count is None or not dense else [count]
+        summed = self.sum_dense([grads_and_vars[i][0] for i in dense],
+                                [layers[i] for i in dense], extra=extra)
+        if extra:
+            total = summed.pop()
         for i, g in zip(dense, summed):
             out[i] = (g, grads_and_vars[i][1])
-        return out
+        return out, total
 
-    def sum_dense(self, grads: list, layers: list | None = None) -> list:
+    def sum_dense(self, grads: list, layers: list | None = None, *,
+                  extra: list = ()) -> list:
         """Sums dense gradients over replicas (cast to half precision for fp16/bf16).
 
         Without bucket_bytes: one collective. With it: the gradients, last ones
@@ -206,12 +231,18 @@ class CommSync(sync_lib.GradientSync):
         spans of its own), and each bucket is its own collective, depending
         only on its own gradients. Smaller messages also move faster over gRPC
         than one large one (see experiments/bench_allreduce.py).
+
+        `extra` tensors (uncompressed) join the first collective, and their sums follow
+        the gradients' in the list returned.
         """
         tf = import_tensorflow()
         half = getattr(tf, _HALF[self.compression]) if self.compression in _HALF else None
         sent = [tf.cast(g, half) if half is not None else g for g in grads]
+        extra = list(extra)
         if not self.bucket_bytes:
-            summed = self._all_reduce(sent)
+            summed = self._all_reduce(sent + extra)
+            extra = summed[len(sent):]
+            summed = summed[:len(sent)]
         else:
             order = list(reversed(range(len(sent))))  # last gradients first
             flat: dict = {}
@@ -229,17 +260,21 @@ class CommSync(sync_lib.GradientSync):
             buckets = self._ordered(
                 self._layout(in_order, None if layers is None else [layers[i] for i in order]),
                 in_order)
-            for bucket in buckets:
-                for segment, r in zip(bucket, self._all_reduce(
-                        [segment_tensor(segment) for segment in bucket])):
+            for position, bucket in enumerate(buckets):
+                riders = extra if position == 0 else []
+                reduced = self._all_reduce([segment_tensor(segment) for segment in bucket]
+                                           + riders)
+                if riders:
+                    extra = reduced[len(bucket):]
+                for segment, r in zip(bucket, reduced):
                     parts[order[segment.item]].append(r)
             # A gradient's segments come in order: one whole, or spans to join.
             summed = [parts[i][0] if i not in flat
                       else tf.reshape(tf.concat(parts[i], 0), tf.shape(g))
                       for i, g in enumerate(sent)]
-        if half is None:
-            return summed
-        return [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+        if half is not None:
+            summed = [tf.cast(s, g.dtype) for s, g in zip(summed, grads)]
+        return summed + extra
 
     def _layout(self, grads: list, layers: list | None, *, split: bool = True) -> list:
         """`tfdist.comm.buckets.layout` of `grads` (sending order), in float32-equivalent

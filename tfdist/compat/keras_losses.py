@@ -20,9 +20,11 @@ replicas, while the train and test steps that `fit` and `evaluate` run are
 traced, these replacements make Keras's per-replica scaling a no-op, so every
 loss is the value one device computes for the same examples (and is logged as
 such), and they make each optimizer average the gradients it applies over the
-replicas (Keras then sums them: sum/N is the mean). For the losses Keras
-computes itself the update is the one Keras makes (for 2, 4, 8 replicas bit
-for bit: halving is exact); the cases above now equal one device too. Custom
+replicas (Keras then sums them: sum/N is the mean; weighted by each replica's
+examples where the batch is split unevenly, see `step_function` below). For the
+losses Keras computes itself the update is the one Keras makes (for 2, 4, 8
+replicas and a power-of-two batch bit for bit: halving is exact, and so is the
+weighting of equal shares); the cases above now equal one device too. Custom
 training loops (`strategy.run` written by the user) keep TensorFlow's rule:
 scale the loss yourself (`tf.nn.compute_average_loss`), gradients are summed.
 Inside a `train_step`, write the loss as for one device: dividing it by the
@@ -33,7 +35,10 @@ tfdist did not make):
 
 - `keras_losses.step_function`: `TensorFlowTrainer._make_function` wraps the
   train/test step it compiles so that, while it runs on a replica, this
-  replica's thread is marked;
+  replica's thread is marked (with the replica's batch: `examples_here` counts
+  it, and the optimizer's update weights each replica's gradient by that count,
+  `tfdist.sync.sum_over_replicas`, so a batch split unevenly averages over
+  examples as one device does);
 - `keras_losses.scale_loss`, `keras_losses.unscale_loss`: Keras's
   `scale_loss_for_distribution` / `unscale_loss_for_distribution` return the
   loss unchanged on a marked thread;
@@ -67,9 +72,32 @@ LOSS_SCALE_APPLY = "keras_losses.loss_scale_apply"
 _state = threading.local()
 
 
-def _replicas_here() -> int:
+def replicas_here() -> int:
     """The marked replica count of this thread's step (0 outside a marked step)."""
     return getattr(_state, "replicas", 0)
+
+
+def examples_here():
+    """This replica's example count in this thread's marked step, as a tensor (None outside
+    one, or where the batch's first value has no batch dimension to count).
+
+    Counted as Keras's trainer counts a batch for its loss metric: the first dimension of
+    the first value of the step's data (`x` comes first), a sparse or ragged value's rows.
+    """
+    if not replicas_here():
+        return None
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    leaves = tf.nest.flatten(getattr(_state, "data", None))
+    first = leaves[0] if leaves else None
+    if isinstance(first, tf.SparseTensor):
+        return first.dense_shape[0]
+    if isinstance(first, tf.RaggedTensor):
+        return first.nrows()
+    if isinstance(first, tf.Tensor) and first.shape.rank != 0:
+        return tf.shape(first, out_type=tf.int64)[0]
+    return None
 
 
 def _synchronous_replicas(strategy) -> int:
@@ -105,12 +133,12 @@ def _make_step(original):
 
         @functools.wraps(step_function)
         def marked_step(data):
-            outer = _replicas_here()
-            _state.replicas = replicas
+            outer = replicas_here(), getattr(_state, "data", None)
+            _state.replicas, _state.data = replicas, data
             try:
                 return step_function(data)
             finally:
-                _state.replicas = outer
+                _state.replicas, _state.data = outer
 
         return original(self, marked_step)
 
@@ -135,7 +163,7 @@ def _check_scale(original) -> None:
 
 
 def _make_scale(original):
-    @_patch.passthrough(original, lambda value: _replicas_here() > 0)
+    @_patch.passthrough(original, lambda value: replicas_here() > 0)
     def scaling(value):
         return value  # as one device computes it
 
@@ -195,7 +223,7 @@ def _make_apply(original):
         # optimizer recorded: one made outside the scope and compiled inside it (a
         # SequenceParallelModel compiles in its strategy's scope) records the default
         # strategy, and its loss was left unscaled all the same.
-        return (_replicas_here() > 0 and not getattr(_state, "applying", False)
+        return (replicas_here() > 0 and not getattr(_state, "applying", False)
                 and not tf.distribute.in_cross_replica_context())
 
     @_patch.passthrough(original, applies)
@@ -205,7 +233,7 @@ def _make_apply(original):
             trainable_variables = list(trainable_variables)
         variables = (trainable_variables if trainable_variables is not None
                      else self._trainable_variables)
-        grads = _averaged(grads, variables, _replicas_here())
+        grads = _averaged(grads, variables, replicas_here())
         _state.applying = True
         try:
             return original(self, grads, trainable_variables)

@@ -158,8 +158,8 @@ def _make_apply(original):
         variables = [v.value if isinstance(v, backend.Variable) else v
                      for v in (trainable_variables or self._trainable_variables)]
         with tf.name_scope(self.name):  # the collectives named as in Keras's update
-            reduced = sync_of(self).reduce(inner, list(zip(grads, variables)),
-                                           inner._all_reduce_sum_gradients)
+            reduced = optimizer_update.sum_over_replicas(sync_of(self), inner,
+                                                         list(zip(grads, variables)))
         with optimizer_update.gradients_reduced(inner):
             return original(self, [g for g, _ in reduced], trainable_variables)
 

@@ -73,7 +73,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from tfdist import sync as sync_lib
-from tfdist.compat import _owner, _patch
+from tfdist.compat import _owner, _patch, keras_losses
 from tfdist.sync import (  # noqa: F401 (the update step's names, and their former home)
     DEFAULT_SYNC,
     GradientSync,
@@ -161,10 +161,19 @@ def reduced_already(optimizer: Any) -> bool:
 
 
 def _reduce(sync: GradientSync, optimizer: Any, grads_and_vars: list) -> list:
-    """`sync.reduce` of `grads_and_vars`, unless they are summed already (`gradients_reduced`)."""
+    """`sum_over_replicas`, unless the gradients are summed already (`gradients_reduced`)."""
     if reduced_already(optimizer):
         return list(grads_and_vars)
-    return list(sync.reduce(optimizer, grads_and_vars, optimizer._all_reduce_sum_gradients))
+    return sum_over_replicas(sync, optimizer, grads_and_vars)
+
+
+def sum_over_replicas(sync: GradientSync, optimizer: Any, grads_and_vars: list) -> list:
+    """`sync`'s sum of this replica's gradients, weighted by examples inside a tfdist
+    strategy's `fit` step (`tfdist.sync.sum_over_replicas`; the count comes from
+    tfdist.compat.keras_losses, which marks the step)."""
+    return sync_lib.sum_over_replicas(
+        sync, optimizer, grads_and_vars, optimizer._all_reduce_sum_gradients,
+        examples=keras_losses.examples_here(), replicas=keras_losses.replicas_here())
 
 
 def variable_key(optimizer: Any, variable: Any) -> str:

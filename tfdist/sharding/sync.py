@@ -125,19 +125,40 @@ class ShardedSync(gradient_sync_lib.GradientSync):
 
     # -- GradientSync ------------------------------------------------------------------
 
+    @property
+    def weights_examples(self) -> bool:
+        """Stages 1 and 2 carry the example count (tfdist.sync.sum_over_replicas): in the
+        all-reduce, or as one more column of the reduce-scatter, so every shard holds the
+        sum. Stage 3's gradients are reduce-scattered inside the backward pass
+        (`sharding_variables`), before the count could join them."""
+        return self.plan.stage < 3
+
     def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
+        return self._reduce(optimizer, grads_and_vars, keras_all_reduce)[0]
+
+    def reduce_counted(self, optimizer, grads_and_vars, count, keras_all_reduce):
+        return self._reduce(optimizer, grads_and_vars, keras_all_reduce, count)
+
+    def _reduce(self, optimizer, grads_and_vars, keras_all_reduce, count=None):
+        """(reduced pairs, `count` summed over replicas by one of the collectives, or None)."""
         tf = import_tensorflow()
         self._check(optimizer)
         strategy = self._strategy()
         pairs = list(grads_and_vars)
         kinds = [self._kind(v) for _, v in pairs]
         out: list[Any] = [g for g, _ in pairs]
+        total = None
 
         all_reduce = [i for i, k in enumerate(kinds)
                       if pairs[i][0] is not None and k in (_WHOLE, _REDUCED_THEN_SLICED)]
         if all_reduce:
-            reduced = gradient_sync_lib.DEFAULT_SYNC.reduce(
-                optimizer, [pairs[i] for i in all_reduce], keras_all_reduce)
+            gathered = [pairs[i] for i in all_reduce]
+            if count is None:
+                reduced = gradient_sync_lib.DEFAULT_SYNC.reduce(optimizer, gathered,
+                                                                keras_all_reduce)
+            else:
+                reduced, total = gradient_sync_lib.DEFAULT_SYNC.reduce_counted(
+                    optimizer, gathered, count, keras_all_reduce)
             for i, (g, _) in zip(all_reduce, reduced):
                 out[i] = g
 
@@ -147,14 +168,20 @@ class ShardedSync(gradient_sync_lib.GradientSync):
             blocks = [tf.reshape(_padded(tf, _dense(tf, pairs[i][0]), layout),
                                  [layout.num_shards, layout.shard_size])
                       for i, layout in zip(scatter, layouts)]
+            sizes = [layout.shard_size for layout in layouts]
+            if count is not None and total is None:  # every shard gets the summed count
+                blocks.append(tf.fill([layouts[0].num_shards, 1], count))
+                sizes.append(1)
             packed = tf.reshape(tf.concat(blocks, axis=1), [-1])
-            mine = collectives.reduce_scatter(strategy, packed)
-            for i, shard in zip(scatter, tf.split(mine, [l.shard_size for l in layouts])):
+            mine = tf.split(collectives.reduce_scatter(strategy, packed), sizes)
+            if len(sizes) > len(scatter):
+                total = tf.reshape(mine.pop(), [])
+            for i, shard in zip(scatter, mine):
                 out[i] = shard
 
         result = [(g, v) for g, (_, v) in zip(out, pairs)]
         self._record(result)
-        return result
+        return result, total
 
     def apply(self, optimizer, grads_and_vars, learning_rate, keras_apply):
         tf = import_tensorflow()
