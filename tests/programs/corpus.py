@@ -33,6 +33,7 @@ PROGRAMS = (
     "built_in_callbacks",
     "custom_callbacks",
     "custom_train_step",
+    "knowledge_distillation",
     "trainer_pattern",
     "gan_train_step",
     "vae_train_step",
@@ -42,6 +43,7 @@ PROGRAMS = (
     "transfer_learning",
     "preprocessing_layers",
     "text_classification_from_scratch",
+    "bidirectional_lstm",
     "mnist_convnet",
     "structured_data_feature_space",
     "timeseries_classification",
@@ -60,6 +62,7 @@ PUSH_SUBSET = (
     "endpoint_layer",                    # add_loss of a Loss object
     "py_dataset_input",                  # a PyDataset (shuffled, in threads) and a generator
     "custom_callbacks",                  # every callback hook; set_weights, learning rate
+    "knowledge_distillation",            # compute_loss overridden; a partial last batch
     "vae_train_step",                    # train_step without call()
     "serialization_and_saving",          # save, reload, weights, export (files on 2 workers)
     "text_classification_from_scratch",  # strings in the model and in tf.data
