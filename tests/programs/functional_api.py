@@ -17,7 +17,7 @@ from keras import layers
 from tests.programs.corpus import KERAS_IO, Outcome, Property, logged
 
 SOURCE = KERAS_IO + "guides/functional_api.py"
-COMPARE = Property(reason="Embedding + RMSprop: the synchronous presets sum the gradients of "
+COMPARE = Property(reason="Embedding + RMSprop: tfdist's presets sum the gradients of "
                           "repeated ids, a plain one-device run does not (docs/numerics.md)")
 
 num_tags = 12
