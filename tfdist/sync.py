@@ -179,9 +179,10 @@ def sum_over_replicas(sync: GradientSync, optimizer: Any, grads_and_vars: GradsA
     factor is the summed count, so the result is the unweighted one up to rounding (the
     same bits for a power-of-two batch). Left unweighted (equal weights per replica, as
     TensorFlow's strategies do): syncs that do not implement it (ZeRO-3, PowerSGD,
-    fp16/bf16 compression, a user's own), gradients other than float32, optimizers with
-    variables whose "gradient" is a new value (`overwrite_with_gradient`, float8 scales),
-    and updates outside the step's replica thread (no `examples`).
+    fp16/bf16 compression, a user's own), gradients other than float32, and no `examples`:
+    updates outside the step's replica thread, and optimizers with variables whose
+    "gradient" is a new value (`overwrite_with_gradient`, float8 scales; the caller,
+    tfdist.compat.optimizer_update, passes none for them).
     """
     grads_and_vars = list(grads_and_vars)
     if examples is None or replicas < 2 or not sync.weights_examples:
@@ -192,9 +193,7 @@ def sum_over_replicas(sync: GradientSync, optimizer: Any, grads_and_vars: GradsA
     present = [g for g, _ in grads_and_vars if g is not None]
     if (not present
             or any((g.values if isinstance(g, tf.IndexedSlices) else g).dtype != tf.float32
-                   for g in present)
-            or any(getattr(v, "overwrite_with_gradient", False)
-                   for v in getattr(optimizer, "_trainable_variables", None) or ())):
+                   for g in present)):
         return list(sync.reduce(optimizer, grads_and_vars, keras_all_reduce))
     count = tf.cast(examples, tf.float32)
 

@@ -170,10 +170,17 @@ def _reduce(sync: GradientSync, optimizer: Any, grads_and_vars: list) -> list:
 def sum_over_replicas(sync: GradientSync, optimizer: Any, grads_and_vars: list) -> list:
     """`sync`'s sum of this replica's gradients, weighted by examples inside a tfdist
     strategy's `fit` step (`tfdist.sync.sum_over_replicas`; the count comes from
-    tfdist.compat.keras_losses, which marks the step)."""
+    tfdist.compat.keras_losses, which marks the step). Unweighted for an optimizer with
+    variables whose "gradient" is a new value (`overwrite_with_gradient`, float8 scales):
+    keras_losses leaves those unscaled, and so must the weighting."""
+    examples = keras_losses.examples_here()
+    variables = getattr(optimizer, "_trainable_variables", None) or ()
+    if examples is not None and any(getattr(v, "overwrite_with_gradient", False)
+                                    for v in variables):
+        examples = None
     return sync_lib.sum_over_replicas(
         sync, optimizer, grads_and_vars, optimizer._all_reduce_sum_gradients,
-        examples=keras_losses.examples_here(), replicas=keras_losses.replicas_here())
+        examples=examples, replicas=keras_losses.replicas_here())
 
 
 def variable_key(optimizer: Any, variable: Any) -> str:
