@@ -196,17 +196,21 @@ def sum_over_replicas(sync: GradientSync, optimizer: Any, grads_and_vars: GradsA
                    for g in present)):
         return list(sync.reduce(optimizer, grads_and_vars, keras_all_reduce))
     count = tf.cast(examples, tf.float32)
-
-    def scaled(gradient, scale):
-        if gradient is None:
-            return None
-        if isinstance(gradient, tf.IndexedSlices):
-            return tf.IndexedSlices(scale(gradient.values), gradient.indices,
-                                    gradient.dense_shape)
-        return scale(tf.convert_to_tensor(gradient))
-
     weight = count * float(replicas)
     summed, total = sync.reduce_counted(
-        optimizer, [(scaled(g, lambda t: t * weight), v) for g, v in grads_and_vars],
+        optimizer, [(map_values(g, lambda t: t * weight), v) for g, v in grads_and_vars],
         count, keras_all_reduce)
-    return [(scaled(g, lambda t: tf.math.divide_no_nan(t, total)), v) for g, v in summed]
+    return [(map_values(g, lambda t: tf.math.divide_no_nan(t, total)), v) for g, v in summed]
+
+
+def map_values(gradient: Any, fn: Callable[[Any], Any]) -> Any:
+    """`fn` applied to a gradient's values: a dense tensor's, or an IndexedSlices' slices
+    (indices and shape kept); None stays None."""
+    from tfdist._tf import import_tensorflow
+
+    tf = import_tensorflow()
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(gradient.values), gradient.indices, gradient.dense_shape)
+    return fn(tf.convert_to_tensor(gradient))

@@ -198,17 +198,14 @@ def _check_apply(original) -> None:
 
 def _averaged(grads, variables, replicas):
     from tfdist._tf import import_tensorflow
+    from tfdist.sync import map_values
 
     tf = import_tensorflow()
 
     def scale(grad, variable):
-        if grad is None or getattr(variable, "overwrite_with_gradient", False):
+        if getattr(variable, "overwrite_with_gradient", False):
             return grad
-        if isinstance(grad, tf.IndexedSlices):
-            return tf.IndexedSlices(grad.values * tf.cast(1.0 / replicas, grad.values.dtype),
-                                    grad.indices, grad.dense_shape)
-        grad = tf.convert_to_tensor(grad)
-        return grad * tf.cast(1.0 / replicas, grad.dtype)
+        return map_values(grad, lambda t: t * tf.cast(1.0 / replicas, t.dtype))
 
     return [scale(g, v) for g, v in zip(grads, variables)]
 
