@@ -36,10 +36,8 @@ class GradientSync:
     the reduced gradients update the variables). Both run in replica context.
     """
 
-    #: `reduce` returns every variable's whole summed gradient, so clipping
-    #: (clipnorm, global_clipnorm, clipvalue) runs on it as on one device.
-    #: False for syncs that hand each replica a shard (Keras's per-replica
-    #: clipping then stays).
+    #: `reduce` returns every variable's whole summed gradient. False for syncs that
+    #: hand each replica a shard.
     reduces_whole_gradients = True
 
     #: A LossScaleOptimizer's update sums the (scaled) gradients with `reduce` before
@@ -74,6 +72,23 @@ class GradientSync:
         already runs (no collective of its own). Returns (reduced, summed count). Only
         called where `weights_examples` is True."""
         raise NotImplementedError(f"{type(self).__name__} does not weight examples")
+
+    @property
+    def clips_reduced_gradients(self) -> bool:
+        """Clipping (clipnorm, global_clipnorm, clipvalue) runs on the summed gradients, after
+        `reduce`, through `clip`, as one device clips; otherwise Keras's own clipping of each
+        replica's share stays. By default where `reduce` returns whole gradients."""
+        return self.reduces_whole_gradients
+
+    def clip(self, optimizer: Any, grads_and_vars: GradsAndVars,
+             keras_clip: Callable[[list], list]) -> list:
+        """The reduced gradients clipped as one device clips the whole summed gradients.
+
+        `keras_clip` is the optimizer's own clipping of a list of whole gradients (None
+        entries pass). Called in replica context where `clips_reduced_gradients`.
+        """
+        pairs = list(grads_and_vars)
+        return list(zip(keras_clip([g for g, _ in pairs]), [v for _, v in pairs]))
 
     def apply(self, optimizer: Any, grads_and_vars: GradsAndVars, learning_rate: Any,
               keras_apply: Callable[[GradsAndVars, Any], None]) -> None:

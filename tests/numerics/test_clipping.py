@@ -11,6 +11,9 @@ layer with a nested Dense, and a Dense head. The clip thresholds are set so
 that clipping is active on every step (checked: without any clip the
 weights differ from the clipped run by far more than the tolerance).
 
+ZeRO-1/2 clip the same way: stage 2 sums the squares of its shards over the
+replicas for the norms (tfdist/sharding/sync.py, `ShardedSync.clip`).
+
 Negative control: with the fix taken out, the same tfdist strategy runs
 Keras's own clipping and differs from one device by orders of magnitude more
 than the tolerance: that is also the canary for Keras changing this upstream.
@@ -115,20 +118,44 @@ def test_without_the_fix_keras_clips_per_replica():
     assert _max_diff(_fit(strategy, clip), reference) < TOLERANCE
 
 
-def test_sharded_sync_keeps_keras_per_replica_clipping():
-    # Each replica updates only its shard, so the whole summed gradient never exists on one
-    # replica: Keras's clipping (before the reduce) stays, as docs/sharding.md says. The model
-    # has an Embedding: its reduced sparse gradient has a row count known only at run time
-    # (counting its bytes for the memory figures raised "unknown shape" before).
+SHARD_MIN_BYTES = 500  # the embedding and two kernels sharded, the other 7 variables replicated
+
+
+def _sharded(shard):
+    return tfdist.make_strategy("mirrored", num_devices=2, shard=shard,
+                                shard_min_bytes=SHARD_MIN_BYTES)
+
+
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: next(iter(c)))
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_sync_clips_like_one_device(clip, shard):
+    # ZeRO-1 holds every summed gradient whole. ZeRO-2 holds only the sum of its shard of a
+    # sharded variable's gradient (the embedding's sparse one included): the norms add the
+    # squares of the shards over the replicas, and replicated variables' whole gradients join
+    # global_clipnorm's norm. The model has both kinds.
     from tfdist.compat import optimizer_update
+
+    assert optimizer_update.clips_after_reduce(_optimizer_under(_sharded(shard)))
+    reference = _fit(_one_device(), clip)
+    assert _max_diff(_fit(_sharded(shard), clip), reference) < TOLERANCE
+
+
+def test_sharded_adam_with_global_clipnorm_clips_like_one_device():
+    # AdamW-style fine-tuning's recipe (Adam and global_clipnorm) under ZeRO-2.
+    clip = dict(global_clipnorm=0.01)
+    reference = _fit(_one_device(), clip, optimizer="adam")
+    assert _max_diff(_fit(_sharded("gradients"), clip, optimizer="adam"), reference) < TOLERANCE
+
+
+@pytest.mark.parametrize("clip", CLIPS[:2], ids=lambda c: next(iter(c)))
+def test_without_the_sharded_clip_keras_clips_per_replica(monkeypatch, clip):
+    # Negative control: ZeRO-2 leaving clipping to Keras (each replica's share, before the
+    # reduce-scatter, as before the sharded clip) is far from one device.
     from tfdist.sharding.sync import ShardedSync
 
-    assert optimizer_update.GradientSync.reduces_whole_gradients
-    assert not ShardedSync.reduces_whole_gradients
-    strategy = tfdist.make_strategy("mirrored", num_devices=2, shard="optimizer")
-    keras_like = _fit(tfdist.make_strategy("mirrored", num_devices=2), {})  # no clip: equal
-    assert _max_diff(_fit(strategy, {}), keras_like) < TOLERANCE
-    assert not optimizer_update.clips_after_reduce(_optimizer_under(strategy))
+    monkeypatch.setattr(ShardedSync, "clips_reduced_gradients", False)
+    reference = _fit(_one_device(), clip)
+    assert _max_diff(_fit(_sharded("gradients"), clip), reference) > 100 * TOLERANCE
 
 
 def _optimizer_under(strategy):

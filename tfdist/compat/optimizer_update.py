@@ -38,9 +38,11 @@ view, when tf.keras 2.2 refused clipping under strategies for this reason
 (tensorflow/tensorflow#33929; also #25806): clipping after aggregation is
 "usually right & what people expect"; keras-team/keras#20585 tracks Keras 3
 under tf.distribute. Under a strategy tfdist made with more than one replica whose
-GradientSync returns whole gradients, `_clip_gradients` passes the
-gradients through unchanged and the update step clips the summed ones with
-Keras's own `_clip_gradients`; everywhere else Keras's code runs.
+GradientSync clips the summed gradients (`clips_reduced_gradients`: the default
+exchange, and ZeRO-1/2, whose `clip` sums the squares of the shards over replicas),
+`_clip_gradients` passes the gradients through unchanged and the update step has
+the GradientSync clip the summed ones with Keras's own `_clip_gradients`;
+everywhere else Keras's code runs.
 
 A third fix makes `gradient_accumulation_steps` train under tfdist's mirrored
 strategies (keras-team/keras#20582, open: "the conditional in the gradient
@@ -129,7 +131,7 @@ def clips_after_reduce(optimizer: Any) -> bool:
     if not _owner.owns(strategy) or strategy.num_replicas_in_sync < 2:
         return False
     sync = gradient_sync(strategy, optimizer)
-    return sync is not None and sync.reduces_whole_gradients
+    return sync is not None and sync.clips_reduced_gradients
 
 
 # Optimizer id -> how many of its applies are running on gradients already summed over
@@ -230,8 +232,7 @@ def _make(original):
         grads_and_vars = _reduce(sync, self, list(zip(grads, variables)))
         clip = _deferred_clip(self)
         if clip is not None:  # the clip_gradients fix let this replica's share through
-            reduced = list(grads_and_vars)
-            grads_and_vars = list(zip(clip([g for g, _ in reduced]), [v for _, v in reduced]))
+            grads_and_vars = sync.clip(self, grads_and_vars, clip)
         sync.apply(self, grads_and_vars, learning_rate, functools.partial(_keras_apply, self))
 
     return _backend_update_step

@@ -93,8 +93,7 @@ class ShardedSync(gradient_sync_lib.GradientSync):
         sharded updates were placed on each device (with offload: the host).
     """
 
-    # Each replica updates its shard only: Keras's own clipping (per replica, before the
-    # reduce) stays; docs/sharding.md says so.
+    # Stage 2 hands each replica the sum of its shard only.
     reduces_whole_gradients = False
 
     def __init__(self, strategy: Any, plan: Any):
@@ -132,6 +131,49 @@ class ShardedSync(gradient_sync_lib.GradientSync):
         sum. Stage 3's gradients are reduce-scattered inside the backward pass
         (`sharding_variables`), before the count could join them."""
         return self.plan.stage < 3
+
+    @property
+    def clips_reduced_gradients(self) -> bool:
+        """Stages 1 and 2 clip the summed gradients as one device does (`clip`); stage 3
+        refuses clipping (registry.check_optimizer): its gradients are summed and cut into
+        shards inside the backward pass."""
+        return self.plan.stage < 3
+
+    def clip(self, optimizer, grads_and_vars, keras_clip):
+        """Keras's clipping of the whole summed gradients, where stage 2 holds a shard of some.
+
+        A shard's part of a norm is the sum of its squares: those are summed over the
+        replicas in one small all-reduce (one value per sharded gradient), only where the
+        optimizer clips by a norm; `clipvalue` is element-wise and needs none. Gradients
+        every replica holds whole (replicated variables, and every gradient at stage 1) are
+        clipped by Keras's own code where their norms are their own (`clipnorm`).
+        """
+        pairs = list(grads_and_vars)
+        sharded = [g is not None and self._kind(v) == _SCATTERED for g, v in pairs]
+        clipnorm = getattr(optimizer, "clipnorm", None)
+        global_clipnorm = getattr(optimizer, "global_clipnorm", None)
+        by_norm = (clipnorm and clipnorm > 0) or (global_clipnorm and global_clipnorm > 0)
+        if not any(sharded) or not by_norm:
+            return super().clip(optimizer, pairs, keras_clip)
+        tf = import_tensorflow()
+        squares = [None if g is None else _sum_of_squares(tf, g) for g, _ in pairs]
+        mine = tf.stack([q for q, s in zip(squares, sharded) if s])
+        summed = iter(tf.unstack(tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, mine)))
+        squares = [next(summed) if s else q for q, s in zip(squares, sharded)]
+        grads = [g for g, _ in pairs]
+        if clipnorm and clipnorm > 0:  # Keras checks clipnorm first
+            whole = keras_clip([None if s else g for g, s in zip(grads, sharded)])
+            clipped = [_clip_by_norm(tf, g, q, clipnorm) if s else w
+                       for g, q, s, w in zip(grads, squares, sharded, whole)]
+        else:
+            # keras.optimizers' clip_by_global_norm, over the whole summed gradients.
+            use_norm = tf.sqrt(tf.add_n([q for q in squares if q is not None]))
+            scale = global_clipnorm * tf.minimum(1.0 / use_norm, 1.0 / global_clipnorm)
+            scale = scale + (use_norm - use_norm)  # NaN where the norm is not finite
+            clipped = [gradient_sync_lib.map_values(g, lambda x: x * tf.cast(scale, x.dtype))
+                       for g in grads]
+        return [(g, v) for g, (_, v) in zip(clipped, pairs)]
 
     def reduce(self, optimizer, grads_and_vars, keras_all_reduce):
         return self._reduce(optimizer, grads_and_vars, keras_all_reduce)[0]
@@ -265,6 +307,21 @@ def _dense(tf, gradient):
     # An IndexedSlices gradient becomes dense with duplicate indices summed, which is what
     # the default sync's de-duplication gives the optimizer too.
     return tf.convert_to_tensor(gradient)
+
+
+def _sum_of_squares(tf, gradient):
+    # An IndexedSlices' slices, as Keras's norms square them; a shard's padding is zeros.
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    return tf.cast(tf.reduce_sum(tf.square(values)), "float32")
+
+
+def _clip_by_norm(tf, gradient, l2sum, clipnorm):
+    """BaseOptimizer._clip_by_norm's arithmetic, with the squares summed beforehand."""
+    l2sum = tf.cast(l2sum, gradient.dtype)
+    positive = l2sum > 0
+    l2norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))), l2sum)
+    return gradient * tf.cast(clipnorm, gradient.dtype) / tf.maximum(
+        l2norm, tf.cast(clipnorm, gradient.dtype))
 
 
 def _padded(tf, value, layout):
