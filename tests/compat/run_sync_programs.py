@@ -472,8 +472,49 @@ class PartialBatch:
             GLOBAL_BATCH)
 
 
+class OptimizerOutsideScope:
+    """The optimizer made before the strategy's scope, the model made and compiled in it.
+
+    keras.io's examples make it first (a module-level `optimizer = keras.optimizers.Adam()`,
+    a `get_optimizer_and_loss()` helper); the distributed-training guide's advice puts only
+    the model and `compile` in the scope. Keras 3's optimizer keeps the strategy it was
+    created under: `fit` then fails with "Mixing different tf.distribute.Strategy objects"
+    (keras-team/keras#17187). AdamW with a float learning rate (a variable, like the step
+    counter, made at creation), weight decay and global_clipnorm=0.5, below every batch's
+    gradient norm here (4.4 to 15.8 at the initial weights), so the clipping acts."""
+
+    name = "optimizer_outside_scope"
+    presets = ("mirrored", "zero1", "zero2", "stock")
+    worker_presets = ("mwms", "zero2")
+
+    def before_scope(self):
+        import keras
+
+        self.optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.01,
+                                                global_clipnorm=0.5)
+
+    def build(self):
+        import keras
+
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(1)])
+
+    def compile(self, model):
+        model.compile(self.optimizer, "mse", metrics=["mae"])
+
+    def data(self):
+        import numpy as np
+        import tensorflow as tf
+
+        rng = np.random.default_rng(11)
+        x = rng.standard_normal((N, 5)).astype("float32")
+        return tf.data.Dataset.from_tensor_slices((x, 3 * x[:, :1] - x[:, 2:3])).batch(
+            GLOBAL_BATCH)
+
+
 PATTERNS = {p.name: p for p in (StringInput(), BoolMask(), VAE(), GAN(), TruePositives(),
-                                AddLoss(), Jit("auto"), Jit(True), PartialBatch())}
+                                AddLoss(), Jit("auto"), Jit(True), PartialBatch(),
+                                OptimizerOutsideScope())}
 
 
 # --- running one pattern under one strategy ----------------------------------------------
@@ -498,6 +539,8 @@ def run(pattern, strategy, initial) -> dict:
 
     out: dict = {}
     try:
+        if hasattr(pattern, "before_scope"):
+            pattern.before_scope()
         with strategy.scope():
             keras.utils.set_random_seed(1)
             model = pattern.build()
@@ -514,6 +557,7 @@ def run(pattern, strategy, initial) -> dict:
         optimizers = getattr(pattern, "optimizers", lambda m: [m.optimizer])(model)
         out["spread"] = tfdist.replica_spread(
             list(model.weights) + [v for o in optimizers for v in o.variables])
+        out["iterations"] = [int(o.iterations.numpy()) for o in optimizers]
     except Exception as e:  # noqa: BLE001 - negative controls record what stock Keras raises
         out["error"] = _error(e)
     return out
@@ -547,6 +591,8 @@ def compare(results: dict, name: str, preset: str, run_out: dict, reference: dic
         results[f"{key}.predict_vs_one_device"] = _difference([run_out["predict"]],
                                                               [reference["predict"]])
     results[f"{key}.spread"] = run_out["spread"]
+    results[f"{key}.iterations"] = run_out["iterations"]
+    results[f"{name}.one_device.iterations"] = reference["iterations"]
     results[f"{key}.jit_compile"] = run_out["jit_compile"]
 
 
@@ -596,6 +642,7 @@ def mirrored() -> dict:
     controls = {
         "unfixed_build": ((keras_build.SYMBOLIC_BUILD,), ("string", "vae")),
         "unfixed_optimizer": ((keras_build.OPTIMIZER_VARIABLES,), ("vae",)),
+        "unfixed_adopt": ((keras_build.ADOPT_OPTIMIZER,), ("optimizer_outside_scope",)),
         "unfixed_losses": (tuple(f.name for f in keras_losses.FIXES),
                            ("vae", "gan", "add_loss")),
         "unfixed_xla": ((keras_xla.NAME,), ("xla_true",)),

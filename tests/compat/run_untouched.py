@@ -22,7 +22,8 @@ involved, the way users' own code does:
 - the same model under the mixed_float16 policy (a LossScaleOptimizer);
 - the same model under the user's own `tf.distribute.MirroredStrategy` on
   two logical CPUs, made after tfdist's strategy, and there the `add_loss`
-  model and the mixed_float16 one too;
+  model and the mixed_float16 one too, and an optimizer made outside its scope
+  (Keras's "Mixing different tf.distribute.Strategy objects" stays);
 - the `fit` model and the user's MirroredStrategy model exported with
   `model.export` and `tf.saved_model.save`, and served.
 Every weight, optimizer variable, loss and metric value goes to FILE.npz;
@@ -244,6 +245,18 @@ def train(out: dict, *, user_mirrored: bool = True) -> None:
     out["user_mirrored/add_loss/history"] = np.asarray(history.history["loss"])
     _state("user_mirrored/add_loss", model, model.optimizer, out)
     mixed_float16(out, "user_mirrored/mixed", strategy)
+    # An optimizer made before the user's own strategy's scope (keras-team/keras#17187): Keras's
+    # error stays; keras_build.adopt_optimizer moves such optimizers only onto tfdist's strategies.
+    optimizer = keras.optimizers.Adam(0.05)
+    with strategy.scope():
+        model = _model()
+        model.compile(optimizer, "mse")
+    try:
+        model.fit([ids, x], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        out["user_mirrored/optimizer_outside_scope"] = np.asarray("trained")
+    except RuntimeError as e:  # the message names objects by address: keep what it says
+        out["user_mirrored/optimizer_outside_scope"] = np.asarray(
+            "Mixing different tf.distribute.Strategy objects" in str(e))
 
 
 def mixed_float16(out: dict, prefix: str, strategy=None) -> None:

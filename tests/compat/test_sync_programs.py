@@ -55,6 +55,8 @@ def _assert_equals_one_device(results, pattern, preset):
     for k in compared:
         assert results[k] <= TOLERANCE, (k, results[k])
     assert results[f"{key}.spread"] == 0.0, (key, results[f"{key}.spread"])
+    # Every optimizer stepped as often as on one device (no replica stepped a counter twice).
+    assert results[f"{key}.iterations"] == results[f"{pattern}.one_device.iterations"], key
 
 
 @pytest.mark.timeout(900)
@@ -111,6 +113,16 @@ def test_partial_batch_negative_controls_differ_from_one_device(mirrored):
     # One epoch: the partial batch is the last step, so the weights it updates show in
     # evaluate (the logged loss was computed before that update).
     assert mirrored["partial_batch.unweighted.evaluate_vs_one_device"] > TOLERANCE
+
+
+@pytest.mark.timeout(900)
+def test_optimizer_made_outside_the_scope_negative_controls_fail(mirrored):
+    # Keras's optimizer keeps the strategy it was created under (keras-team/keras#17187):
+    # stock Keras, and tfdist's strategy without keras_build's adopt_optimizer, fail in fit.
+    for key in ("optimizer_outside_scope.stock", "optimizer_outside_scope.unfixed_adopt"):
+        assert "Mixing different tf.distribute.Strategy objects" in mirrored[f"{key}.error"], (
+            key, mirrored[f"{key}.error"])
+    assert mirrored["optimizer_outside_scope.one_device.iterations"] == [programs.STEPS]
 
 
 @pytest.mark.timeout(900)

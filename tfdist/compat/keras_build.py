@@ -62,8 +62,28 @@
    initializer, dtype, aggregation, layout, name)`, or the same without `layout`
    (the arguments are passed on as given).
 
-Both replacements pass straight through to Keras unless the model's (or the
-optimizer's) strategy was made by `tfdist.make_strategy`. `install()` is
+3. `keras_build.adopt_optimizer` replaces `BaseOptimizer.build`. Keras 3's TensorFlow
+   optimizer keeps the strategy in scope when it is created (`TFOptimizer.__init__`:
+   `self._distribution_strategy = tf.distribute.get_strategy()`) and creates its step
+   counter and learning-rate variables there. keras.io's examples often make the optimizer
+   before the model (a module-level `optimizer = keras.optimizers.Adam(...)`, a
+   `get_optimizer_and_loss()` helper); a user who then puts the model and `compile` in
+   `strategy.scope()`, as the distributed-training guide says, gets an optimizer that
+   belongs to no strategy, and `fit` fails when it builds its slots: "Mixing different
+   tf.distribute.Strategy objects: <...MirroredStrategy> is not
+   <..._DefaultDistributionStrategy>" (keras-team/keras#17187, open since Keras 2.11; TF
+   2.1-2.10's optimizers allowed it). The replacement adopts such an optimizer when it is
+   built under a tfdist strategy and has not been built before: each variable it made
+   without a strategy gets a new TensorFlow variable of the same value created under the
+   strategy (the Keras variable object stays the same, so every reference to it and its
+   place in `optimizer.variables` hold), and the optimizer takes the strategy. An
+   optimizer made under another strategy is left to Keras's error. Shape relied on: every
+   Keras optimizer's `build` calls `BaseOptimizer.build` before it creates slots (Keras
+   3.10-3.15); the optimizer's own variables are in `_variables`; a Keras variable on
+   TensorFlow keeps its `tf.Variable` in `_value` and makes a new one in `_initialize`.
+
+The replacements pass straight through to Keras unless the model's (or the
+optimizer's, or for 3 the current) strategy was made by `tfdist.make_strategy`. `install()` is
 idempotent; every preset that makes a strategy installs them, never `import
 tfdist`; `tfdist.compat.uninstall()` undoes them.
 """
@@ -81,6 +101,8 @@ UPSTREAM_ISSUE = ("keras-team/keras#20585 (several workers), tensorflow/tensorfl
 SYMBOLIC_BUILD = "keras_build.symbolic_build"
 OPTIMIZER_VARIABLES = "keras_build.optimizer_variables"
 OPTIMIZER_ISSUE = "keras-team/keras#23085 (fixed by keras-team/keras#23087 after Keras 3.15.1)"
+ADOPT_OPTIMIZER = "keras_build.adopt_optimizer"
+ADOPT_ISSUE = "keras-team/keras#17187 (an optimizer created outside the strategy's scope)"
 
 
 def _trainer_module():
@@ -207,11 +229,77 @@ OPTIMIZER_VARIABLES_FIX = _patch.Fix(
     make=_make_optimizer_variables,
 )
 
-FIXES = (SYMBOLIC_BUILD_FIX, OPTIMIZER_VARIABLES_FIX)
+
+# --- 3. an optimizer created before the strategy's scope ---------------------------------
+
+
+def _base_optimizer_class():
+    return _patch.upstream("keras.src.optimizers.base_optimizer.BaseOptimizer")
+
+
+def _keras_tf_variable_class():
+    return _patch.upstream("keras.src.backend.tensorflow.core.Variable")
+
+
+def _check_adopt_optimizer(original) -> None:
+    _patch.require_signature(original, "variables", what="BaseOptimizer.build")
+    _patch.require_attributes(_keras_tf_variable_class(), "_initialize",
+                              what="keras.src.backend.tensorflow.core.Variable")
+
+
+def adopt_optimizer(optimizer, strategy) -> None:
+    """Moves an unbuilt optimizer created without a strategy onto `strategy` (fix 3).
+
+    Raises:
+      CompatError: the optimizer's own variables are not what Keras's optimizers hold.
+    """
+    tf = import_tensorflow()
+    variables = getattr(optimizer, "_variables", None)
+    if not isinstance(variables, list):
+        raise _patch.CompatError(
+            f"{type(optimizer).__name__} has no `_variables` list; tfdist cannot move it onto "
+            "the strategy. Create the optimizer inside `with strategy.scope():`.")
+    for variable in variables:
+        if _owner.strategy_of_variable(variable) is not None:
+            continue  # created under a strategy already (a LossScaleOptimizer's counters)
+        value = getattr(variable, "_value", None)
+        if not isinstance(value, tf.Variable) or not hasattr(variable, "_initialize"):
+            raise _patch.CompatError(
+                f"{type(optimizer).__name__}'s variable {getattr(variable, 'name', variable)!r}"
+                " is not a Keras variable holding a tf.Variable; tfdist cannot move it onto the "
+                "strategy. Create the optimizer inside `with strategy.scope():`.")
+        with tf.init_scope(), strategy.scope():
+            variable._initialize(value.numpy())
+    optimizer._distribution_strategy = strategy
+
+
+def _make_adopt_optimizer(original):
+    def applies(self, *args, **kwargs):
+        return (not getattr(self, "built", True)
+                and _owner.is_default_strategy(getattr(self, "_distribution_strategy", None))
+                and _owner.owns(_owner.current_strategy()))
+
+    @_patch.passthrough(original, applies)
+    def build(self, *args, **kwargs):
+        adopt_optimizer(self, _owner.current_strategy())
+        return original(self, *args, **kwargs)
+
+    return build
+
+
+ADOPT_OPTIMIZER_FIX = _patch.Fix(
+    name=ADOPT_OPTIMIZER,
+    issue=ADOPT_ISSUE,
+    target=lambda: (_base_optimizer_class(), "build"),
+    check=_check_adopt_optimizer,
+    make=_make_adopt_optimizer,
+)
+
+FIXES = (SYMBOLIC_BUILD_FIX, OPTIMIZER_VARIABLES_FIX, ADOPT_OPTIMIZER_FIX)
 
 
 def install() -> tuple[str, ...]:
-    """Installs both fixes, or neither (idempotent, thread-safe).
+    """Installs the three fixes, or none (idempotent, thread-safe).
 
     Returns:
       The names of the fixes this call installed (() if they already were).
