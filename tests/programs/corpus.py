@@ -52,6 +52,7 @@ PROGRAMS = (
     "kerashub_custom_model_xla",
     "kerashub_gemma_lora",
     "kerashub_gpt2_finetune",
+    "kerashub_gpt2_lora",
 )
 
 # What runs on every push (tests/programs/test_corpus.py): one program per kind of result
