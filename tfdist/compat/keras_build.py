@@ -76,8 +76,10 @@
    built under a tfdist strategy and has not been built before: each variable it made
    without a strategy gets a new TensorFlow variable of the same value created under the
    strategy (the Keras variable object stays the same, so every reference to it and its
-   place in `optimizer.variables` hold), and the optimizer takes the strategy. An
-   optimizer made under another strategy is left to Keras's error. Shape relied on: every
+   place in `optimizer.variables` hold), and the optimizer takes the strategy. Built inside
+   `strategy.run` (a custom training loop's `apply_gradients`), every replica reaches the
+   build: the variables are made once, in a `merge_call`. An optimizer made under another
+   strategy, or built already, is left to Keras. Shape relied on: every
    Keras optimizer's `build` calls `BaseOptimizer.build` before it creates slots (Keras
    3.10-3.15); the optimizer's own variables are in `_variables`; a Keras variable on
    TensorFlow keeps its `tf.Variable` in `_value` and makes a new one in `_initialize`.
@@ -254,6 +256,18 @@ def adopt_optimizer(optimizer, strategy) -> None:
       CompatError: the optimizer's own variables are not what Keras's optimizers hold.
     """
     tf = import_tensorflow()
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.strategy is strategy:
+        # Built inside `strategy.run` (a custom training loop): every replica reaches this
+        # build; the variables are made once, in cross-replica context.
+        context.merge_call(lambda _: _adopt(tf, optimizer, strategy))
+    else:
+        _adopt(tf, optimizer, strategy)
+
+
+def _adopt(tf, optimizer, strategy) -> None:
+    if not _owner.is_default_strategy(getattr(optimizer, "_distribution_strategy", None)):
+        return  # another replica's build adopted it in the same merge
     variables = getattr(optimizer, "_variables", None)
     if not isinstance(variables, list):
         raise _patch.CompatError(

@@ -1,0 +1,76 @@
+"""An optimizer made before `strategy.scope()` trains as on one device (adopt_optimizer).
+
+Keras 3's optimizer keeps the strategy it was created under (keras-team/keras#17187): made
+outside the scope of the strategy it then trains under, it fails when it builds its slots
+("Mixing different tf.distribute.Strategy objects"). These tests cover the custom-training
+tutorial's loop, where the optimizer is built inside `strategy.run`, on every replica; `fit`
+is covered by the `optimizer_outside_scope` pattern (tests/compat/test_sync_programs.py) and
+by the corpus's kerashub_gpt2_lora. Reference: the same model, seed, initial weights and
+global batch on one device. Negative control: the same tfdist strategy with the fix taken out
+fails as stock Keras does.
+"""
+
+import numpy as np
+import pytest
+
+import tfdist
+from tests.support import max_abs_difference, one_device, tutorial_custom_loop
+
+TOLERANCE = 1e-6  # float32, 4 steps: summation order only
+GLOBAL_BATCH, STEPS = 8, 4
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
+    return x, 2 * x[:, :2] - x[:, 2:]
+
+
+def _train(strategy, make_optimizer, *, outside=True):
+    import keras
+
+    # Before the scope, as keras.io's examples do; the reference makes it inside (its
+    # OneDeviceStrategy is a strategy too, and stock Keras).
+    optimizer = make_optimizer() if outside else None
+    with strategy.scope():
+        optimizer = optimizer or make_optimizer()
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="relu"),
+                                  keras.layers.Dense(2)])
+    x, y = _data()
+    tutorial_custom_loop(strategy, model, optimizer, x, y, GLOBAL_BATCH)
+    return model.get_weights(), optimizer
+
+
+OPTIMIZERS = {
+    "adam": lambda: __import__("keras").optimizers.Adam(0.05),
+    "sgd_momentum_schedule": lambda: __import__("keras").optimizers.SGD(
+        __import__("keras").optimizers.schedules.ExponentialDecay(0.1, 2, 0.5), momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_custom_loop_with_an_optimizer_made_outside_the_scope(name):
+    reference, _ = _train(one_device(), OPTIMIZERS[name], outside=False)
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    weights, optimizer = _train(strategy, OPTIMIZERS[name])
+    assert max_abs_difference(weights, reference) < TOLERANCE
+    # One step per batch (a counter left outside the strategy would count each replica's).
+    assert int(optimizer.iterations.numpy()) == STEPS
+    assert optimizer.variables[0] is optimizer._iterations  # the same Keras variable, adopted
+    assert tfdist.replica_spread(optimizer.variables) == 0.0
+
+
+def test_without_the_fix_the_custom_loop_fails_as_stock_keras():
+    from tfdist.compat import _patch, keras_build
+
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    assert keras_build.ADOPT_OPTIMIZER in _patch.installed()
+    _patch.uninstall([keras_build.ADOPT_OPTIMIZER])
+    try:
+        with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+            _train(strategy, OPTIMIZERS["adam"])
+    finally:
+        keras_build.install()
+    assert keras_build.ADOPT_OPTIMIZER in _patch.installed()
+
