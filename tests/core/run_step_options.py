@@ -69,6 +69,30 @@ def overflow_on_one_replica():
             "scale": float(model.optimizer.dynamic_scale.numpy())}
 
 
+def partial_execution():
+    """53 examples in batches of 8: 7 steps an epoch, run as 4 + 3 with steps_per_execution=4.
+
+    Adam, whose bias correction reads the step counter. Returns both runs' step counts
+    (steps_per_execution 1 and 4) and the largest difference of their weights.
+    """
+    results = {}
+    for spe in (1, 4):
+        with STRATEGY.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(3)])
+            model.compile(keras.optimizers.Adam(1e-2),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=spe)
+        model.fit(tf.data.Dataset.from_tensor_slices((X[:53], Y[:53])).batch(8), epochs=2,
+                  verbose=0)
+        results[spe] = (int(model.optimizer.iterations.numpy()),
+                        [w.numpy() for w in model.weights])
+    return {"iterations": [results[1][0], results[4][0]],
+            "max_diff": max(float(np.abs(a - b).max())
+                            for a, b in zip(results[1][1], results[4][1]))}
+
+
 def main():
     runs, weights = [], {}
     combos = [(p, spe, False) for p in ("none", "mixed_float16", "mixed_bfloat16")
@@ -105,6 +129,14 @@ def main():
             step_lib.check(tfdist.StepOptions(jit_compile=True), STRATEGY)
         except ValueError as e:
             out["jit_error"] = str(e)
+        out["partial_execution"] = partial_execution()
+        # Negative control: the steps not gated on their batch (the fix before 2026-11-28).
+        from tfdist.compat import keras_multi_step
+
+        gate = keras_multi_step._batch_tensors
+        keras_multi_step._batch_tensors = lambda tf, data: []
+        out["partial_execution_ungated"] = partial_execution()
+        keras_multi_step._batch_tensors = gate
         out["overflow_on_one_replica"] = overflow_on_one_replica()
         _patch.uninstall(["loss_scale.check_finite", "loss_scale.tf_apply"])
         out["overflow_on_one_replica_unpatched"] = overflow_on_one_replica()

@@ -21,6 +21,13 @@ def test_knobs_train_or_are_refused(preset):
     assert len(report["runs"]) == expected
     if preset == "mirrored":
         assert report["spe_max_diff"] <= 1e-6
+        # An epoch of 7 steps run as 4 + 3: as many optimizer steps as batches, and the same
+        # weights as one step per execution. Ungated, the step whose get_next ended the epoch
+        # still counted one optimizer step (Adam's bias correction then drifts).
+        assert report["partial_execution"]["iterations"] == [14, 14], report
+        assert report["partial_execution"]["max_diff"] <= 1e-6, report
+        assert report["partial_execution_ungated"]["iterations"] == [14, 16], report
+        assert report["partial_execution_ungated"]["max_diff"] > 1e-5, report
         assert "jit_compile=True with several synchronous replicas on CPUs fails" in (
             report["jit_error"])
         assert "Drop jit_compile" in report["jit_error"]
