@@ -218,13 +218,14 @@ def _bert_and_data(workers: int, keras, np, tf):
     return model, ds, batch, {"optimizer": keras.optimizers.Adam(5e-5)}
 
 
-def _digits_accuracy(epochs: int, workers: int, keras, np, tf, bytes_sent) -> dict:
+def _digits_accuracy(epochs: int, workers: int, keras, np, tf) -> dict:
     """Held-out digits accuracy of the MLP's layers after `epochs` (inside the strategy scope).
 
     The training images are shuffled with a fixed seed and cut into global batches of
     PER_WORKER_BATCH per worker; the strategy shards them as it does any dataset.
-    `bytes_sent()` is this worker's TCP bytes sent so far (the wire per step of the fit).
+    The wire per step of the fit is this worker's TCP bytes sent over its steps.
     """
+    from experiments.bench_comm import tcp_bytes_by_socket, tcp_bytes_sent_since
     from models.datasets import load_dataset
 
     data = load_dataset("digits")
@@ -244,11 +245,11 @@ def _digits_accuracy(epochs: int, workers: int, keras, np, tf, bytes_sent) -> di
     counter = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda i, logs: ran.append(time.perf_counter()),
         on_epoch_end=lambda e, logs: epoch_ends.append(time.perf_counter()))
-    sent_before = bytes_sent()
+    sent_before = tcp_bytes_by_socket(None)
     start = time.perf_counter()
     model.fit(train, epochs=epochs, verbose=0, callbacks=[counter])
     seconds = time.perf_counter() - start
-    sent = bytes_sent() - sent_before
+    sent = tcp_bytes_sent_since(sent_before, None)
     accuracy = model.evaluate(test, verbose=0, return_dict=True)["accuracy"]
     return {"digits_accuracy": float(accuracy), "digits_seconds": seconds,
             "digits_steps": len(ran), "digits_epochs": epochs, "digits_batch": batch,
@@ -263,8 +264,8 @@ def _worker(config: dict, out: str) -> None:
 
     import tfdist
     from tfdist.comm import buckets
-    from experiments.bench_comm import (_pin, _tcp_bytes_sent, compute_and_exchange_seconds,
-                                        step_timer)
+    from experiments.bench_comm import (_pin, compute_and_exchange_seconds, step_timer,
+                                        tcp_bytes_by_socket, tcp_bytes_sent_since)
 
     task_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     core = _pin(task_id)
@@ -289,9 +290,9 @@ def _worker(config: dict, out: str) -> None:
 
     steps = config["steps"]
     model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace, warm up
-    sent_before = _tcp_bytes_sent(os.getpid())
+    sent_before = tcp_bytes_by_socket(None)  # every socket of this node's namespace
     step = time_steps(steps)
-    sent = (_tcp_bytes_sent(os.getpid()) - sent_before) / (steps + 1)
+    sent = tcp_bytes_sent_since(sent_before, None) / (steps + 1)
     result = {"workers": workers, "step_seconds": step, "samples_per_second": batch / step,
               "wire_bytes_per_step": sent, "core": core, "global_batch": batch,
               "params": int(model.count_params()),
@@ -311,8 +312,7 @@ def _worker(config: dict, out: str) -> None:
         result["calibration"] = _calibrate(tf, strategy, config["calibrate"])
     if config.get("digits_epochs"):
         with strategy.scope():
-            result.update(_digits_accuracy(config["digits_epochs"], workers, keras, np, tf,
-                                           lambda: _tcp_bytes_sent(os.getpid())))
+            result.update(_digits_accuracy(config["digits_epochs"], workers, keras, np, tf))
     if task_id == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -31,6 +31,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 
 from absl import app, flags
@@ -87,22 +88,54 @@ def _pin(task_id: int) -> str:
     return f"core {core}"
 
 
-def _tcp_bytes_sent(pid: int) -> int:
-    """Bytes this process's TCP sockets have sent (ss -tinp: bytes_sent), 0 if unknown."""
-    try:
-        text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True,
-                              timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    total, mine = 0, False
-    for line in text.splitlines():
-        if not line.startswith((" ", "\t")):
-            mine = f"pid={pid}," in line
+def tcp_bytes_by_socket(pid: int | None) -> dict[tuple[str, str], int] | None:
+    """Bytes each TCP socket has sent (`ss -ti`: bytes_sent), keyed by (local, peer).
+
+    `pid`: that process's sockets (`ss -p`); None: every socket of this network namespace
+    (a simulated node's namespace holds its one worker, and no process table is searched).
+    None when `ss` fails three times: the bytes on the wire are then unknown, never 0.
+    """
+    args = ["ss", "-tinH"] + (["-p"] if pid is not None else [])
+    problem = ""
+    for attempt in range(3):
+        if attempt:
+            time.sleep(0.2)
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            problem = str(e)
             continue
-        if mine:
+        if done.returncode:
+            problem = f"exit {done.returncode}: {done.stderr.strip()[-200:]}"
+            continue
+        sockets, key = {}, None
+        for line in done.stdout.splitlines():
+            if not line.startswith((" ", "\t")):
+                fields = line.split()
+                mine = pid is None or f"pid={pid}," in line
+                key = (fields[3], fields[4]) if mine and len(fields) > 4 else None
+                continue
             found = re.search(r"bytes_sent:(\d+)", line)
-            total += int(found.group(1)) if found else 0
-    return total
+            if key is not None and found:
+                sockets[key] = sockets.get(key, 0) + int(found.group(1))
+        return sockets
+    print(f"{' '.join(args)} failed 3 times ({problem}): bytes on the wire unknown",
+          file=sys.stderr, flush=True)
+    return None
+
+
+def tcp_bytes_sent_since(before: dict[tuple[str, str], int] | None, pid: int | None) -> float:
+    """Bytes sent over TCP since the snapshot `before` (`tcp_bytes_by_socket(pid)`),
+    counted per socket: a connection opened since counts whole, and one closed since drops
+    out instead of taking the total below zero. NaN when either snapshot failed."""
+    after = tcp_bytes_by_socket(pid)
+    if before is None or after is None:
+        return float("nan")
+    sent = 0
+    for key, now in after.items():
+        was = before.get(key, 0)
+        sent += now - was if now >= was else now  # fewer: a new connection on the same ports
+    return float(sent)
 
 
 def step_timer(keras, model, ds):
@@ -221,9 +254,9 @@ def _worker(config: dict, out: str) -> None:
     time_steps = step_timer(keras, model, ds)
     steps = config["steps"]
     model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace, warm up
-    sent_before = _tcp_bytes_sent(os.getpid())
+    sent_before = tcp_bytes_by_socket(os.getpid())
     step = time_steps(steps)
-    sent = (_tcp_bytes_sent(os.getpid()) - sent_before) / (steps + 1)
+    sent = tcp_bytes_sent_since(sent_before, os.getpid()) / (steps + 1)
     result = {"workers": workers, "step_seconds": step, "samples_per_sec": batch / step,
               "wire_bytes_per_step": sent, "pinned": pinned,
               "gradient_bytes": 4 * model.count_params()}

@@ -41,6 +41,7 @@ processes die with it).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -102,7 +103,7 @@ def _worker(method: str, steps: int) -> None:
     import numpy as np
 
     import tfdist
-    from experiments.bench_comm import _pin, _tcp_bytes_sent
+    from experiments.bench_comm import _pin, tcp_bytes_by_socket, tcp_bytes_sent_since
 
     task_id = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     core = _pin(task_id)
@@ -172,9 +173,9 @@ def _worker(method: str, steps: int) -> None:
 
     run(3)  # trace, warm up
     ends.clear()
-    sent = _tcp_bytes_sent(os.getpid())
+    before = tcp_bytes_by_socket(None)  # every socket of this node's namespace: worker 0's
     run(steps + 1)
-    sent = _tcp_bytes_sent(os.getpid()) - sent
+    sent = tcp_bytes_sent_since(before, None)
     step = statistics.median(b - a for a, b in zip(ends, ends[1:]))
     if task_id == 0:
         params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -262,7 +263,8 @@ def run(rates_mbit, methods, *, rounds: int, steps: int, log=print, on_lab=None)
                 wire = statistics.median(x["wire_bytes_per_step"] for x in results[method])
                 rows.append(row(f"shaped/{rate:g} Mbit/s/{method}: step", step * 1e3, "ms",
                                 f"{first['global_batch'] / step:,.0f} samples/s; worker 0 sent "
-                                f"{wire / 1e6:.3f} MB/step; rounds "
+                                + (f"{wire / 1e6:.3f} MB/step" if math.isfinite(wire)
+                                   else "unknown bytes (ss failed)") + "; rounds "
                                 + ", ".join(f"{x['step_seconds'] * 1e3:.1f}"
                                             for x in results[method]) + f" ms; {setup}"))
                 if method != measured[0]:

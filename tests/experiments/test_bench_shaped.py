@@ -6,6 +6,7 @@ kernel refuses a new namespace) every test here is skipped with the reason.
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -78,4 +79,7 @@ def test_smallest_configuration_trains_on_the_shaped_link_and_cleans_up():
     # The gradients (669,706 float32 = 2.68 MB) cross the link once per step each way
     # (a 2-worker ring): at 100 Mbit/s that is >= 0.2 s, so the link, not the cores, sets it.
     assert step["value"] > 150, step
-    assert "worker 0 sent 2.6" in step["note"] and "100 Mbit/s each way" in step["note"], step
+    assert "100 Mbit/s each way" in step["note"], step
+    # Each step's 2.68 MB of gradients, plus gRPC framing and the logs' collective.
+    sent = re.search(r"worker 0 sent ([\d.]+) MB/step", step["note"])
+    assert sent and 2.67 <= float(sent.group(1)) < 2.8, step
