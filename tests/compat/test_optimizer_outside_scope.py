@@ -74,3 +74,53 @@ def test_without_the_fix_the_custom_loop_fails_as_stock_keras():
         keras_build.install()
     assert keras_build.ADOPT_OPTIMIZER in _patch.installed()
 
+
+
+def _made_under(strategy, make_optimizer):
+    def make():
+        with strategy.scope():
+            return make_optimizer()
+
+    return make
+
+
+def test_an_optimizer_from_an_earlier_tfdist_strategy_moves_onto_the_new_one():
+    # A notebook whose strategy cell ran again: the optimizer was made under the first
+    # strategy, the model and the training under the second.
+    reference, _ = _train(one_device(), OPTIMIZERS["adam"], outside=False)
+    earlier = tfdist.make_strategy("mirrored", num_devices=2)
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    weights, optimizer = _train(strategy, _made_under(earlier, OPTIMIZERS["adam"]))
+    assert max_abs_difference(weights, reference) < TOLERANCE
+    assert int(optimizer.iterations.numpy()) == STEPS
+    assert optimizer._distribution_strategy is strategy
+    assert tfdist.replica_spread(optimizer.variables) == 0.0
+
+
+def test_an_optimizer_from_a_users_strategy_is_a_clear_error_and_the_user_keeps_keras():
+    import tensorflow as tf
+
+    user = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    # Not tfdist's to move: what was received, why, and how to fix it.
+    with pytest.raises(RuntimeError, match=r"This Adam optimizer was created under "
+                       r"MirroredStrategy at 0x[0-9a-f]+, which tfdist did not make, and is "
+                       r"being built under tfdist's MirroredStrategy.*Create the optimizer "
+                       r"inside `with strategy.scope\(\):` of the strategy you train with"):
+        _train(strategy, _made_under(user, OPTIMIZERS["adam"]))
+    # Built under the user's own strategy, an optimizer made under tfdist's is stock Keras.
+    with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+        _train(user, _made_under(strategy, OPTIMIZERS["adam"]))
+
+
+def test_without_the_fix_an_earlier_strategys_optimizer_fails_as_stock_keras():
+    from tfdist.compat import _patch, keras_build
+
+    earlier = tfdist.make_strategy("mirrored", num_devices=2)
+    strategy = tfdist.make_strategy("mirrored", num_devices=2)
+    _patch.uninstall([keras_build.ADOPT_OPTIMIZER])
+    try:
+        with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+            _train(strategy, _made_under(earlier, OPTIMIZERS["adam"]))
+    finally:
+        keras_build.install()

@@ -78,8 +78,11 @@
    strategy (the Keras variable object stays the same, so every reference to it and its
    place in `optimizer.variables` hold), and the optimizer takes the strategy. Built inside
    `strategy.run` (a custom training loop's `apply_gradients`), every replica reaches the
-   build: the variables are made once, in a `merge_call`. An optimizer made under another
-   strategy, or built already, is left to Keras. Shape relied on: every
+   build: the variables are made once, in a `merge_call`. An unbuilt optimizer made under
+   another strategy tfdist made (a notebook's strategy cell run again) is moved the same
+   way; one made under a strategy tfdist did not make gets a clear error naming both
+   strategies instead of Keras's "Mixing different tf.distribute.Strategy objects" (its
+   objects are not tfdist's to move); one built already is left to Keras. Shape relied on: every
    Keras optimizer's `build` calls `BaseOptimizer.build` before it creates slots (Keras
    3.10-3.15); the optimizer's own variables are in `_variables`; a Keras variable on
    TensorFlow keeps its `tf.Variable` in `_value` and makes a new one in `_initialize`.
@@ -250,9 +253,11 @@ def _check_adopt_optimizer(original) -> None:
 
 
 def adopt_optimizer(optimizer, strategy) -> None:
-    """Moves an unbuilt optimizer created without a strategy onto `strategy` (fix 3).
+    """Moves an unbuilt optimizer created without a strategy, or under another strategy
+    tfdist made, onto `strategy` (fix 3).
 
     Raises:
+      RuntimeError: the optimizer was created under a strategy tfdist did not make.
       CompatError: the optimizer's own variables are not what Keras's optimizers hold.
     """
     tf = import_tensorflow()
@@ -266,32 +271,49 @@ def adopt_optimizer(optimizer, strategy) -> None:
 
 
 def _adopt(tf, optimizer, strategy) -> None:
-    if not _owner.is_default_strategy(getattr(optimizer, "_distribution_strategy", None)):
+    origin = getattr(optimizer, "_distribution_strategy", None)
+    if origin is strategy:
         return  # another replica's build adopted it in the same merge
+    if not (_owner.is_default_strategy(origin) or _owner.owns(origin)):
+        raise RuntimeError(
+            f"This {type(optimizer).__name__} optimizer was created under "
+            f"{_strategy_name(origin)}, which tfdist did not make, and is being built under "
+            f"tfdist's {_strategy_name(strategy)}: an optimizer's variables belong to the "
+            f"strategy it is created under ({ADOPT_ISSUE}). Create the optimizer inside "
+            "`with strategy.scope():` of the strategy you train with, or outside every "
+            "strategy's scope (tfdist then moves it onto its strategy).")
     variables = getattr(optimizer, "_variables", None)
     if not isinstance(variables, list):
         raise _patch.CompatError(
             f"{type(optimizer).__name__} has no `_variables` list; tfdist cannot move it onto "
             "the strategy. Create the optimizer inside `with strategy.scope():`.")
     for variable in variables:
-        if _owner.strategy_of_variable(variable) is not None:
-            continue  # created under a strategy already (a LossScaleOptimizer's counters)
+        if _owner.strategy_of_variable(variable) is strategy:
+            continue  # created under the strategy already (a LossScaleOptimizer's counters)
         value = getattr(variable, "_value", None)
         if not isinstance(value, tf.Variable) or not hasattr(variable, "_initialize"):
             raise _patch.CompatError(
                 f"{type(optimizer).__name__}'s variable {getattr(variable, 'name', variable)!r}"
                 " is not a Keras variable holding a tf.Variable; tfdist cannot move it onto the "
                 "strategy. Create the optimizer inside `with strategy.scope():`.")
-        with tf.init_scope(), strategy.scope():
-            variable._initialize(value.numpy())
+        with tf.init_scope():
+            if not _owner.is_default_strategy(origin):  # the old strategy's first copy
+                value = origin.experimental_local_results(value)[0]
+            initial = value.numpy()
+            with strategy.scope():
+                variable._initialize(initial)
     optimizer._distribution_strategy = strategy
+
+
+def _strategy_name(strategy) -> str:
+    return f"{type(strategy).__name__} at {id(strategy):#x}"
 
 
 def _make_adopt_optimizer(original):
     def applies(self, *args, **kwargs):
-        return (not getattr(self, "built", True)
-                and _owner.is_default_strategy(getattr(self, "_distribution_strategy", None))
-                and _owner.owns(_owner.current_strategy()))
+        origin, current = getattr(self, "_distribution_strategy", None), _owner.current_strategy()
+        return (not getattr(self, "built", True) and origin is not None
+                and origin is not current and _owner.owns(current))
 
     @_patch.passthrough(original, applies)
     def build(self, *args, **kwargs):
