@@ -10,6 +10,8 @@ global batch on one device. Negative control: the same tfdist strategy with the 
 fails as stock Keras does.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,38 @@ def test_without_the_fix_an_earlier_strategys_optimizer_fails_as_stock_keras():
             _train(strategy, _made_under(earlier, OPTIMIZERS["adam"]))
     finally:
         keras_build.install()
+
+
+_BEFORE_THE_CLUSTER = """
+import numpy as np, keras, tfdist
+optimizer = keras.optimizers.Adam(0.01)  # before the strategy: on /job:localhost
+strategy = tfdist.make_strategy("parameter_server", local_workers=1, local_ps=1)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer, "mse")
+try:
+    model.fit(np.ones((16, 4), "float32"), np.ones((16, 2), "float32"), batch_size=8, verbose=0)
+except RuntimeError as e:
+    print("ERROR", e)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_an_optimizer_made_before_the_parameter_server_cluster_is_a_clear_error():
+    # The in-process cluster renames this process's devices: the optimizer's variables, made
+    # before it, cannot be read any more, so they cannot be moved (in a process of its own).
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    proc = subprocess.run([sys.executable, "-c", _BEFORE_THE_CLUSTER], capture_output=True,
+                          text=True, timeout=150, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"ERROR This Adam optimizer's variable 'adam/iteration' lives on "
+                     r"/job:localhost/\S+, which this process cannot reach any more \(.*\): the "
+                     r"optimizer was created before tfdist's ParameterServerStrategy\w* "
+                     r"connected the process to its cluster. Create the optimizer after "
+                     r"`tfdist.make_strategy\(...\)`", proc.stdout), proc.stdout[-3000:]

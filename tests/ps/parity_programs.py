@@ -162,6 +162,27 @@ def inside_scope(strategy, workdir):
                    predictions=predictions)
 
 
+def optimizer_outside_scope(strategy, workdir):
+    """keras.io's examples make the optimizer before the model (keras-team/keras#17187):
+    AdamW with weight decay and global_clipnorm made outside `strategy.scope()`, the model
+    and compile inside it."""
+    import keras
+    import tensorflow as tf
+
+    x, y = _classification()
+    optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.01, global_clipnorm=0.5)
+    keras.utils.set_random_seed(SEED)
+    with _scope(strategy):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2,
+                        verbose=0)
+    if strategy is not None and model.optimizer._distribution_strategy is not strategy:
+        raise AssertionError("the optimizer was not moved onto the parameter-server strategy")
+    return _result(model, history.history["loss"])
+
+
 def jit_compiled(strategy, workdir):
     """compile(jit_compile=True): fit with validation, evaluate and predict."""
     import tensorflow as tf
@@ -318,6 +339,7 @@ PROGRAMS = {
     "validation_callbacks": (validation_callbacks, None),  # EarlyStopping decides
     "py_dataset": (py_dataset, 3 * 8),
     "inside_scope": (inside_scope, 2 * 6),
+    "optimizer_outside_scope": (optimizer_outside_scope, 2 * 6),
     "jit_compiled": (jit_compiled, 2 * 6),
     "captured_dataset": (captured_dataset, 2 * 6),
     "checkpoint_with_loss": (checkpoint_with_loss, 2 * 6),

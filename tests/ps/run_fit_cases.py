@@ -355,8 +355,17 @@ def test_bad_input_is_a_clear_error(strategy, data):
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 is not supported under "
                                          r"tfdist's parameter_server preset.*Fix: drop"):
         model.fit(_dataset_fn(data), steps_per_epoch=1, verbose=0)
-    # compile outside the scope: the new optimizer cannot live on the ps.
-    model.compile(keras.optimizers.SGD(0.1), "mse")
+    # compile outside the scope (keras-team/keras#17187): the new optimizer moves onto the ps.
+    optimizer = keras.optimizers.SGD(0.1)
+    model.compile(optimizer, "mse")
+    model.fit(_dataset_fn(data), steps_per_epoch=1, verbose=0)
+    assert int(optimizer.iterations.numpy()) == 1
+    assert all("/job:ps/" in v.value.device for v in optimizer.variables), [
+        v.value.device for v in optimizer.variables]
+    # One built already (outside every scope) cannot move: the clear error stays.
+    built = keras.optimizers.SGD(0.1)
+    built.build([keras.Variable(np.zeros((2,), "float32"))])
+    model.compile(built, "mse")
     with pytest.raises(ValueError, match=r"inside `with strategy.scope\(\):`"):
         model.fit(_dataset_fn(data), steps_per_epoch=1, verbose=0)
 

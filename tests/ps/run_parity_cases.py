@@ -35,7 +35,8 @@ def _trains(name, strategy, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["class_weights", "py_dataset", "captured_dataset",
-                                  "string_lookup_function", "string_lookup_dataset"])
+                                  "string_lookup_function", "string_lookup_dataset",
+                                  "optimizer_outside_scope"])
 def test_program_trains_with_exact_steps(name, strategy, tmp_path):
     result = _trains(name, strategy, tmp_path)
     first_fit = result["losses"][:3 if name != "captured_dataset" else 2]

@@ -299,7 +299,16 @@ def _adopt(tf, optimizer, strategy) -> None:
         with tf.init_scope():
             if not _owner.is_default_strategy(origin):  # the old strategy's first copy
                 value = origin.experimental_local_results(value)[0]
-            initial = value.numpy()
+            try:
+                initial = value.numpy()
+            except tf.errors.OpError as e:
+                raise RuntimeError(
+                    f"This {type(optimizer).__name__} optimizer's variable "
+                    f"{getattr(variable, 'path', variable.name)!r} lives on {value.device}, "
+                    f"which this process cannot reach any more ({e.message.splitlines()[0]}): "
+                    f"the optimizer was created before tfdist's {type(strategy).__name__} "
+                    "connected the process to its cluster. Create the optimizer after "
+                    "`tfdist.make_strategy(...)`, inside `with strategy.scope():`.") from None
             with strategy.scope():
                 variable._initialize(initial)
     optimizer._distribution_strategy = strategy

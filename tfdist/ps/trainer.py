@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
+from tfdist import compat
 from tfdist.compat import keras_build, optimizer_update, ps_keras
 from tfdist.ps import data as data_lib
 
@@ -197,6 +198,13 @@ class CoordinatorTrainer:
         """Creates model, metric and optimizer variables on the ps, before any step."""
         model = self.model
         optimizer = model.optimizer
+        if (optimizer is not None and not optimizer.built
+                and keras_build.ADOPT_OPTIMIZER in compat.installed()):
+            # Made before the scope, as keras.io's examples do (keras-team/keras#17187): its
+            # step counter and learning rate move onto the parameter servers, as on
+            # tfdist's other strategies.
+            with self.strategy.scope():
+                keras_build.adopt_optimizer(optimizer, self.strategy)
         if optimizer is not None and ps_keras.optimizer_strategy(optimizer) is not self.strategy:
             raise ValueError(
                 "The model's optimizer was created outside the parameter-server strategy's "
