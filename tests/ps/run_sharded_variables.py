@@ -82,18 +82,24 @@ def fit_vs_plain(tf, keras, strategy, steps, x, y):
     }
 
 
-def tutorial_loop(tf, keras, strategy, x, y, *, steps):
-    """The tutorial's custom loop, under `strategy`, and the same loop with no strategy."""
+def tutorial_loop(tf, keras, strategy, x, y, *, steps, optimizer_outside=False):
+    """The tutorial's custom loop, under `strategy`, and the same loop with no strategy.
+
+    `optimizer_outside`: the optimizer is made before the scope, as keras.io's examples do
+    (keras-team/keras#17187); its first `apply_gradients`, traced on the coordinator inside
+    `strategy.run`, moves it onto the parameter servers. Keys then start "outside_".
+    """
     labels = (y > 0).astype("float32")
 
     def dataset_fn(_):
         return tf.data.Dataset.from_tensor_slices((x, labels)).repeat().batch(16)
 
-    def make(scope):
+    def make(scope, outside=False):
         keras.utils.set_random_seed(2)
+        optimizer = keras.optimizers.RMSprop(learning_rate=0.01) if outside else None
         with scope:
             model = build(keras)
-            optimizer = keras.optimizers.RMSprop(learning_rate=0.01)
+            optimizer = optimizer or keras.optimizers.RMSprop(learning_rate=0.01)
             accuracy = keras.metrics.BinaryAccuracy()
         return model, optimizer, accuracy
 
@@ -108,7 +114,7 @@ def tutorial_loop(tf, keras, strategy, x, y, *, steps):
         accuracy.update_state(batch_labels, pred)
         return loss
 
-    model, optimizer, accuracy = make(strategy.scope())
+    model, optimizer, accuracy = make(strategy.scope(), optimizer_outside)
     initial = model.get_weights()
     assert not optimizer.built  # the slots come from the first apply_gradients, in strategy.run
 
@@ -143,14 +149,16 @@ def tutorial_loop(tf, keras, strategy, x, y, *, steps):
         ref_step(batch_data, batch_labels)
     from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-    return {
-        "loop_iterations": int(optimizer.iterations.numpy()),
-        "loop_accuracy": float(accuracy.result()),
-        "loop_ref_accuracy": float(ref_accuracy.result()),
-        "loop_max_abs_diff": max_diff(model.get_weights(), ref_model.get_weights()),
-        "loop_sharded_slots": sum(isinstance(v.value, ShardedVariable)
-                                  for v in optimizer.variables),
-    }
+    prefix = "outside_loop_" if optimizer_outside else "loop_"
+    return {prefix + key: value for key, value in {
+        "iterations": int(optimizer.iterations.numpy()),
+        "accuracy": float(accuracy.result()),
+        "ref_accuracy": float(ref_accuracy.result()),
+        "max_abs_diff": max_diff(model.get_weights(), ref_model.get_weights()),
+        "sharded_slots": sum(isinstance(v.value, ShardedVariable) for v in optimizer.variables),
+        "on_ps": all("/job:ps/" in getattr(v.value, "device", "") or isinstance(
+            v.value, ShardedVariable) for v in optimizer.variables),
+    }.items()}
 
 
 def tape_gradient(tf, keras, strategy):
@@ -230,6 +238,7 @@ def main(steps: int) -> None:
     y = rng.standard_normal((256, 1)).astype("float32")
     result = fit_vs_plain(tf, keras, strategy, steps, x, y)
     result.update(tutorial_loop(tf, keras, strategy, x, y, steps=steps))
+    result.update(tutorial_loop(tf, keras, strategy, x, y, steps=steps, optimizer_outside=True))
     result.update(tape_gradient(tf, keras, strategy))
     result.update(canaries(tf, keras, strategy))
     print(json.dumps(result), flush=True)

@@ -48,6 +48,17 @@ def test_tutorial_custom_loop_with_lazy_slots(result):
     # Reference: the same loop, weights and batches with no strategy.
     assert result["loop_max_abs_diff"] <= 1e-5
     assert abs(result["loop_accuracy"] - result["loop_ref_accuracy"]) <= 1e-6
+    assert result["loop_on_ps"]
+
+
+@pytest.mark.timeout(540)
+def test_tutorial_custom_loop_with_an_optimizer_made_outside_the_scope(result):
+    """keras-team/keras#17187: made before the scope, moved onto the ps by its first build."""
+    assert result["outside_loop_iterations"] == 40
+    assert result["outside_loop_sharded_slots"] >= 2
+    assert result["outside_loop_on_ps"]  # its step counter and learning rate too
+    assert result["outside_loop_max_abs_diff"] <= 1e-5
+    assert abs(result["outside_loop_accuracy"] - result["outside_loop_ref_accuracy"]) <= 1e-6
 
 
 @pytest.mark.timeout(540)
