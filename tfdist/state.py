@@ -100,6 +100,12 @@ def state_of(strategy: Any) -> StrategyState | None:
         return None
 
 
+def live() -> "list[tuple[Any, StrategyState]]":
+    """Every strategy tfdist made that is still alive, with its record."""
+    with _lock:
+        return list(_states.items())
+
+
 def lock() -> threading.RLock:
     """The lock guarding every record (for a field computed once and then kept)."""
     return _lock

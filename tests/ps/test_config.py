@@ -94,3 +94,39 @@ def test_flags_are_generated():
             "--shard_count=2"])
     opts = tfdist_flags.strategy_options_from_flags(values)
     assert (opts.local_workers, opts.local_ps, opts.shard_count) == (2, 1, 2)
+
+
+_AFTER_MIRRORED = """
+import warnings
+import tfdist
+tfdist.configure_logical_devices(2)
+{before}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tfdist.make_strategy("parameter_server", local_workers=1, local_ps=1)
+print("WARNINGS", [str(w.message) for w in caught])
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("before", ["mirrored", "nothing"])
+def test_an_in_process_cluster_warns_that_an_earlier_strategy_stops_working(before):
+    # The cluster renames the process's devices: a mirrored strategy made before it then
+    # fails at its first step with "unknown device" (in a process of its own).
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    script = _AFTER_MIRRORED.format(before='first = tfdist.make_strategy("mirrored", num_devices=2)'
+                                    if before == "mirrored" else "")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=150, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("WARNINGS")]
+    warned = "so the mirrored strategy made earlier in this process stops working" in line
+    assert warned == (before == "mirrored"), line
+    if warned:
+        assert "Make the parameter_server strategy first, or restart the process" in line

@@ -31,6 +31,7 @@ from typing import Any
 
 from tfdist import cluster as cluster_lib
 from tfdist import config as config_lib
+from tfdist import state as state_lib
 from tfdist._tf import import_tensorflow
 from tfdist.ps.errors import ParameterServerError
 
@@ -76,6 +77,16 @@ def local_cluster(num_workers: int, num_ps: int) -> LocalCluster:
     with _LOCAL_LOCK:
         if key in _LOCAL_CLUSTERS:
             return _LOCAL_CLUSTERS[key]
+        earlier = sorted({state.preset or "?" for strategy, state in state_lib.live()
+                          if state.preset != "parameter_server"})
+        if earlier and not _LOCAL_CLUSTERS:
+            warnings.warn(
+                f"Starting an in-process parameter-server cluster renames this process's "
+                f"devices (/job:localhost becomes /job:chief), so the {' and '.join(earlier)} "
+                "strategy made earlier in this process stops working (its steps fail with "
+                "'unknown device'), as do variables made before. Make the parameter_server "
+                "strategy first, or restart the process (the notebook kernel) to go back.",
+                stacklevel=3)
         if _LOCAL_CLUSTERS:
             warnings.warn(
                 f"Starting a second in-process cluster ({num_workers} workers, {num_ps} ps); "
