@@ -93,7 +93,11 @@ def tcp_bytes_by_socket(pid: int | None) -> dict[tuple[str, str], int] | None:
 
     `pid`: that process's sockets (`ss -p`); None: every socket of this network namespace
     (a simulated node's namespace holds its one worker, and no process table is searched).
-    None when `ss` fails three times: the bytes on the wire are then unknown, never 0.
+
+    When its netlink query fails, `ss` falls back to /proc/net/tcp without a word (exit 0):
+    every socket is listed, none with its tcp_info, so none with bytes_sent. Such a reading
+    (an established socket without tcp_info) is taken again; None when `ss` fails or reads
+    so three times: the bytes on the wire are then unknown, never 0.
     """
     args = ["ss", "-tinH"] + (["-p"] if pid is not None else [])
     problem = ""
@@ -108,20 +112,34 @@ def tcp_bytes_by_socket(pid: int | None) -> dict[tuple[str, str], int] | None:
         if done.returncode:
             problem = f"exit {done.returncode}: {done.stderr.strip()[-200:]}"
             continue
-        sockets, key = {}, None
-        for line in done.stdout.splitlines():
-            if not line.startswith((" ", "\t")):
-                fields = line.split()
-                mine = pid is None or f"pid={pid}," in line
-                key = (fields[3], fields[4]) if mine and len(fields) > 4 else None
-                continue
-            found = re.search(r"bytes_sent:(\d+)", line)
-            if key is not None and found:
-                sockets[key] = sockets.get(key, 0) + int(found.group(1))
-        return sockets
+        sockets = _parse_ss(done.stdout, pid)
+        if sockets is not None:
+            return sockets
+        problem = "no tcp_info: ss read /proc/net/tcp instead of netlink"
     print(f"{' '.join(args)} failed 3 times ({problem}): bytes on the wire unknown",
           file=sys.stderr, flush=True)
     return None
+
+
+def _parse_ss(text: str, pid: int | None) -> dict[tuple[str, str], int] | None:
+    """`ss -tinH` output as {(local, peer): bytes_sent}; None if an established socket has no
+    tcp_info line (its `mss:`), as in `ss`'s /proc fallback."""
+    sockets: dict[tuple[str, str], int] = {}
+    key, waiting = None, False
+    for line in text.splitlines():
+        if not line.startswith((" ", "\t")):
+            if waiting:
+                return None
+            fields = line.split()
+            mine = pid is None or f"pid={pid}," in line
+            key = (fields[3], fields[4]) if mine and len(fields) > 4 else None
+            waiting = bool(fields) and fields[0] == "ESTAB"
+            continue
+        waiting = waiting and "mss:" not in line
+        found = re.search(r"bytes_sent:(\d+)", line)
+        if key is not None and found:
+            sockets[key] = sockets.get(key, 0) + int(found.group(1))
+    return None if waiting else sockets
 
 
 def tcp_bytes_sent_since(before: dict[tuple[str, str], int] | None, pid: int | None) -> float:
